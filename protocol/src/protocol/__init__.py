@@ -1,0 +1,10 @@
+"""protocol: the only code the trainer and the rollout service share.
+
+- messages: the request, result and worker-status types (msgspec), with their validation;
+- spool: the crash-safe filesystem spool (its docstring lists the guarantees);
+- watch: file events as hints that wake a scanner;
+- client: submit and wait with deadlines;
+- cli: `spoolctl`, the operator's view of a spool.
+"""
+
+__version__ = "0.1.0"

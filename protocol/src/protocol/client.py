@@ -1,0 +1,156 @@
+"""The producer's side of the spool: submit requests, wait for their results, never hang.
+
+    with SpoolClient("/srv/spool") as client:
+        client.submit(request)
+        results = client.wait([request.request_id], timeout_s=600)
+
+`wait` returns when every result is there. It raises `NoLiveWorker` within
+`no_worker_grace_s` when no worker heartbeat is fresh, and `ResultTimeout` at the deadline;
+both messages say which requests are pending and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from .messages import Request, Result
+from .spool import DEFAULT_LEASE_S, Spool, split_claimed_name
+from .watch import Waker
+
+
+class WaitError(RuntimeError):
+    """A wait that ended without all results. `pending` lists the ids still missing."""
+
+    def __init__(self, message: str, pending: list[str]):
+        super().__init__(message)
+        self.pending = pending
+
+
+class NoLiveWorker(WaitError):
+    """No worker has a fresh heartbeat, so nothing will serve the pending requests."""
+
+
+class ResultTimeout(WaitError):
+    """The deadline passed while workers were alive."""
+
+
+class SpoolClient:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        create: bool = True,
+        poll: bool | None = None,
+        rescan_s: float = 1.0,
+        no_worker_grace_s: float = 10.0,
+        recover_stale: bool = True,
+    ):
+        """`no_worker_grace_s`: how long a wait tolerates having no live worker (a worker that
+        is starting writes its status within a second or two). `recover_stale`: while waiting,
+        also give back claims of dead workers, so a wait does not depend on another worker's
+        scan."""
+        self.spool = Spool(root, create=create)
+        self.poll = poll
+        self.rescan_s = rescan_s
+        self.no_worker_grace_s = no_worker_grace_s
+        self.recover_stale = recover_stale
+        self._waker: Waker | None = None
+
+    def submit(self, request: Request) -> None:
+        self.spool.submit(request)
+
+    def submit_many(self, requests: list[Request]) -> None:
+        self.spool.submit_many(requests)
+
+    def close(self) -> None:
+        if self._waker is not None:
+            self._waker.__exit__(None, None, None)
+            self._waker = None
+
+    def __enter__(self) -> SpoolClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _wake_on_results(self) -> Waker:
+        # Started once and kept: a watch costs a thread start, too much for every wait.
+        if self._waker is None:
+            self._waker = Waker([self.spool.results], poll=self.poll).__enter__()
+        return self._waker
+
+    def wait(self, request_ids: list[str], timeout_s: float, *, consume: bool = True) -> dict[str, Result]:
+        """Block until each id has a result, and return them by id.
+
+        With `consume`, each result is moved to done/ once read, so results/ holds only
+        unread results. Raises NoLiveWorker or ResultTimeout (see the module docstring).
+        """
+        waker = self._wake_on_results()
+        deadline = time.monotonic() + timeout_s
+        pending = set(request_ids)
+        results: dict[str, Result] = {}
+        no_worker_since: float | None = None
+        next_full_check = 0.0
+        while True:
+            now = time.monotonic()
+            full_check = now >= next_full_check
+            if full_check:
+                # Also looks in done/ (a result consumed earlier) and does the liveness work.
+                next_full_check = now + min(1.0, self.rescan_s)
+                candidates = list(pending)
+            else:
+                published = set(os.listdir(self.spool.results))
+                candidates = [i for i in pending if f"{i}.json" in published]
+            for request_id in candidates:
+                result = self.spool.read_result(request_id)
+                if result is not None:
+                    results[request_id] = result
+                    pending.discard(request_id)
+                    if consume:
+                        self.spool.consume_result(request_id)
+            if not pending:
+                return results
+            waiting = sorted(pending)
+            if now >= deadline:
+                raise ResultTimeout(
+                    f"{len(pending)} of {len(set(request_ids))} results missing after {timeout_s:.0f} s "
+                    f"in {self.spool.root}: {self.describe(waiting)}. Workers are alive; "
+                    "raise the timeout, or check `spoolctl stats` for a stuck worker.",
+                    waiting,
+                )
+            if full_check:
+                if self.recover_stale:
+                    self.spool.recover_stale(DEFAULT_LEASE_S)
+                if self.spool.live_workers():
+                    no_worker_since = None
+                elif no_worker_since is None:
+                    no_worker_since = now
+                elif now - no_worker_since >= self.no_worker_grace_s:
+                    raise NoLiveWorker(
+                        f"no live rollout worker serves {self.spool.root} (no fresh heartbeat in "
+                        f"{self.spool.workers} for {self.no_worker_grace_s:.0f} s); "
+                        f"{len(pending)} requests wait: {self.describe(waiting)}. Start one with "
+                        f"`rollout-svc serve --spool {self.spool.root}` or "
+                        "`systemctl start rollout-svc@0`.",
+                        waiting,
+                    )
+            waker.wait(min(self.rescan_s, max(0.0, deadline - now), 1.0))
+
+    def describe(self, request_ids: list[str], limit: int = 5) -> str:
+        """Where each of the first `limit` ids is: queued, claimed by whom, or missing."""
+        claimed = {}
+        for entry in self.spool.entries("claimed"):
+            original, worker_id = split_claimed_name(entry.name)
+            claimed[original[: -len(".json")]] = worker_id
+        parts = []
+        for request_id in request_ids[:limit]:
+            if request_id in claimed:
+                parts.append(f"{request_id} (claimed by {claimed[request_id]})")
+            elif (self.spool.requests / f"{request_id}.json").exists():
+                parts.append(f"{request_id} (queued)")
+            else:
+                parts.append(f"{request_id} (not in the spool)")
+        more = len(request_ids) - limit
+        return ", ".join(parts) + (f" and {more} more" if more > 0 else "")

@@ -1,0 +1,216 @@
+"""Wire messages of the spool: what producers, workers and operators read and write.
+
+Every file in `requests/`, `results/` and `workers/` is one of these structs encoded as JSON.
+Decoding validates types and bounds; a field name that is not in the struct is refused, so a
+typo such as `temprature` fails loudly instead of being ignored.
+
+`SCHEMA_VERSION` is bumped only for changes an old reader cannot handle. A request with a
+version this code does not know gets the `unsupported_schema` error, not a guess.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+# Ids name files, so they are restricted to a portable file-name alphabet. '@' is reserved: the
+# spool uses it to join a request id and a worker id in `claimed/`.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+Id = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
+AbsolutePath = Annotated[str, msgspec.Meta(pattern=r"^/", max_length=4096)]
+Prompt = Annotated[str, msgspec.Meta(max_length=1_000_000)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+UnitInterval = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+def is_valid_id(text: str) -> bool:
+    """True when `text` may be used as a request or worker id (and so as a file name)."""
+    return _ID_RE.fullmatch(text) is not None
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable error codes of a failed result. Scripts may branch on them; never renumber."""
+
+    BAD_JSON = "bad_json"  # not JSON, or truncated
+    INVALID_REQUEST = "invalid_request"  # JSON, but a field is missing, unknown, mistyped or out of range
+    UNSUPPORTED_SCHEMA = "unsupported_schema"  # `schema` names a version this worker cannot read
+    ID_MISMATCH = "id_mismatch"  # `request_id` differs from the file name
+    TOO_LARGE = "too_large"  # file bigger than the worker accepts
+    NOT_A_FILE = "not_a_file"  # a symlink, directory or other non-regular entry in requests/
+    DEADLINE_EXPIRED = "deadline_expired"  # `deadline` passed before the work started
+    WEIGHTS_NOT_FOUND = "weights_not_found"  # weights_dir missing or not a directory
+    WEIGHTS_INVALID = "weights_invalid"  # weights_dir lacks config or safetensors, or is corrupt
+    WEIGHTS_NOT_ALLOWED = "weights_not_allowed"  # weights_dir outside the worker's allowed roots
+    PROMPT_TOO_LONG = "prompt_too_long"  # a prompt exceeds what the engine accepts
+    ENGINE_ERROR = "engine_error"  # the engine raised while serving a valid request
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A generation request: `requests/<request_id>.json`, written by a producer."""
+
+    request_id: Id  # equals the file name without `.json`; unique per spool
+    weights_dir: AbsolutePath  # HF-format model directory the samples must come from
+    prompts: Annotated[list[Prompt], msgspec.Meta(min_length=1)]  # plain text, one per prompt
+    n_samples_per_prompt: PositiveInt  # G: completions sampled for each prompt
+    max_tokens: PositiveInt  # cap on generated tokens per completion
+    temperature: NonNegativeFloat  # 0 means greedy
+    seed: int | None = None  # sampling seed; None lets the engine choose
+    top_p: UnitInterval = 1.0  # nucleus sampling mass
+    stop: list[str] = []  # generation stops after any of these strings
+    logprobs: bool = True  # return the sampling logprob of each generated token
+    deadline: float | None = None  # unix time; after it the request gets `deadline_expired`
+    tag: str = ""  # free label for operators: train, eval, canary...
+    schema: int = SCHEMA_VERSION  # message version, see SCHEMA_VERSION
+
+
+class Error(msgspec.Struct, forbid_unknown_fields=True):
+    """Why a request failed."""
+
+    code: ErrorCode  # stable, for scripts
+    message: str  # for people: names the problem and, where it can, what to do
+
+
+class Timings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Seconds spent on a request by the worker that published its result."""
+
+    queued_s: float = 0.0  # from the request file's arrival in requests/ to its claim
+    reload_s: float = 0.0  # weight reload done for this request (0 when already loaded)
+    generate_s: float = 0.0  # engine time of the call that served this request
+
+
+class Result(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The outcome of one request: `results/<request_id>.json`, written once by a worker.
+
+    Per-sample fields are nested as [prompt][sample][token]. On failure `ok` is false, `error`
+    says why and the per-sample lists are empty.
+    """
+
+    request_id: Id
+    ok: bool
+    error: Error | None = None
+    texts: list[list[str]] = []  # [prompt][sample] generated text (prompt not included)
+    token_ids: list[list[list[int]]] = []  # [prompt][sample][token] generated token ids
+    logprobs: list[list[list[float]]] = []  # [prompt][sample][token] sampling logprob, <= 0
+    finish_reasons: list[list[str]] = []  # [prompt][sample] "stop" or "length"
+    prompt_token_ids: list[list[int]] = []  # [prompt][token] the prompt as the engine saw it
+    weights_dir: str = ""  # the weights actually used
+    weights_content_id: str = ""  # content id of those weights (empty for engines without weights)
+    worker_id: str = ""  # who produced this result
+    engine: str = ""  # engine name and version
+    timings: Timings = msgspec.field(default_factory=Timings)
+    finished_at: float = 0.0  # unix time the result was written
+    schema: int = SCHEMA_VERSION
+
+    @classmethod
+    def failure(cls, request_id: str, code: ErrorCode, message: str, **fields) -> Result:
+        return cls(request_id=request_id, ok=False, error=Error(code, message), **fields)
+
+
+WorkerState = Literal["starting", "loading", "idle", "generating", "reloading", "stopping"]
+
+
+class WorkerCounters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    requests_ok: int = 0  # results published with ok=true
+    requests_failed: int = 0  # error results published
+    requests_abandoned: int = 0  # claims given back or dropped without a result
+    samples: int = 0  # completions generated
+    tokens: int = 0  # generated tokens
+
+
+class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`workers/<worker_id>.json`, rewritten by the worker at every heartbeat.
+
+    The file's mtime is the heartbeat. A worker whose file is older than its `lease_s` is dead:
+    its claims are put back in `requests/`.
+    """
+
+    worker_id: Id
+    pid: int
+    host: str
+    device: str  # "cpu", "cuda:0"...
+    engine: str  # engine name and version
+    state: WorkerState
+    lease_s: float  # heartbeat age after which this worker counts as dead
+    started_at: float  # unix time
+    heartbeat_at: float  # unix time of this write (the mtime says the same)
+    current_request: str | None = None  # id being served, if any
+    weights_dir: str | None = None  # weights loaded in the engine
+    weights_content_id: str | None = None
+    counters: WorkerCounters = msgspec.field(default_factory=WorkerCounters)
+    last_error: str | None = None  # the newest error message, for operators
+    schema: int = SCHEMA_VERSION
+
+
+class _Envelope(msgspec.Struct):
+    """The part of any message read before the rest: its schema version. Unknown fields pass."""
+
+    schema: int = SCHEMA_VERSION
+
+
+_encoder = msgspec.json.Encoder()
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+_request_decoder = msgspec.json.Decoder(Request)
+_result_decoder = msgspec.json.Decoder(Result)
+_status_decoder = msgspec.json.Decoder(WorkerStatus)
+
+
+class MessageError(ValueError):
+    """A message file that cannot be accepted; `code` says which way it is wrong."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def encode_pretty(message: msgspec.Struct) -> bytes:
+    """Indented JSON for files people read (`cat` in an operator's terminal)."""
+    return msgspec.json.format(_encoder.encode(message), indent=2) + b"\n"
+
+
+def _decode(data: bytes, decoder: msgspec.json.Decoder, what: str):
+    try:
+        version = _envelope_decoder.decode(data).schema
+    except msgspec.ValidationError as exc:
+        raise MessageError(ErrorCode.INVALID_REQUEST, f"{what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise MessageError(
+            ErrorCode.BAD_JSON, f"{what} is not a complete JSON object ({exc}); rewrite the whole file"
+        ) from None
+    if version != SCHEMA_VERSION:
+        raise MessageError(
+            ErrorCode.UNSUPPORTED_SCHEMA,
+            f"{what} has schema {version}, this reader understands only schema {SCHEMA_VERSION}; "
+            "upgrade the reader or write the message in its schema",
+        )
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise MessageError(ErrorCode.INVALID_REQUEST, f"{what}: {exc}") from None
+    except msgspec.DecodeError as exc:  # valid envelope but broken further on
+        raise MessageError(ErrorCode.BAD_JSON, f"{what} is not valid JSON ({exc})") from None
+
+
+def decode_request(data: bytes) -> Request:
+    """Decode and validate a request; raises MessageError with the right code."""
+    return _decode(data, _request_decoder, "request")
+
+
+def decode_result(data: bytes) -> Result:
+    return _decode(data, _result_decoder, "result")
+
+
+def decode_status(data: bytes) -> WorkerStatus:
+    return _decode(data, _status_decoder, "worker status")

@@ -1,0 +1,410 @@
+"""The spool: a directory through which producers and rollout workers exchange messages.
+
+Layout (all on one filesystem):
+
+    tmp/       scratch files being written; never read by consumers
+    requests/  <request_id>.json, ready for any worker
+    claimed/   <request_id>@<worker_id>.json, a request being served
+    results/   <request_id>.json, exactly one per request, success or error
+    done/      <request_id>.request.json (served requests) and <request_id>.result.json
+               (results a producer has consumed); pruned by age
+    bad/       request files that could not be accepted, kept for inspection
+    workers/   <worker_id>.json, one status file per worker; its mtime is the heartbeat
+
+Guarantees (each has a test in tests/unit/test_spool.py):
+
+1. No reader sees a partial file in requests/, results/ or workers/: files are written in tmp/
+   and linked or renamed into place; requests and results are fsynced, and so is their directory.
+2. Each request that reaches requests/ gets exactly one result file. Claims are renames, so one
+   worker wins each request; a dead worker's claim goes back to requests/ (at-least-once
+   execution) and results are published with link(), which never replaces: the first result wins.
+3. A request file that cannot be accepted gets an error result (when its name is a valid id) and
+   is moved to bad/; nothing raises out of the spool for bad input.
+4. A claim whose worker heartbeat is older than the worker's lease is put back in requests/.
+   Workers check that their claim still exists before they publish.
+5. The directory listing is the truth: `pending()` scans, and file events only wake scanners.
+6. Every wait that involves this module is bounded (see client.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import fsio
+from .messages import (
+    ErrorCode,
+    MessageError,
+    Request,
+    Result,
+    WorkerStatus,
+    decode_request,
+    decode_result,
+    decode_status,
+    encode,
+    encode_pretty,
+    is_valid_id,
+)
+
+STATES = ("tmp", "requests", "claimed", "results", "done", "bad", "workers")
+MAX_REQUEST_BYTES = 64 * 2**20  # a request larger than this is refused with `too_large`
+DEFAULT_LEASE_S = 30.0
+_RESULT_SUFFIX = ".result.json"
+_REQUEST_SUFFIX = ".request.json"
+
+
+class SpoolError(RuntimeError):
+    """The spool directory is missing, incomplete or unusable; the message says what to do."""
+
+
+class RequestExists(SpoolError):
+    """A request with this id is already in the spool."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One directory entry as a scan saw it."""
+
+    name: str
+    path: Path
+    mtime: float  # when the file was written (renames keep it)
+    ctime: float  # when it last moved (renames set it)
+    size: int
+
+    @property
+    def request_id(self) -> str | None:
+        """The id this entry names, or None when its name is not `<valid id>.json`."""
+        return id_from_name(self.name)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A request entry this worker moved into claimed/."""
+
+    name: str  # the entry's name in requests/
+    path: Path  # its path in claimed/
+    worker_id: str
+    arrived_at: float  # mtime of the request file: when it was written
+
+    @property
+    def request_id(self) -> str | None:
+        return id_from_name(self.name)
+
+
+def id_from_name(name: str) -> str | None:
+    if not name.endswith(".json"):
+        return None
+    stem = name[: -len(".json")]
+    return stem if is_valid_id(stem) else None
+
+
+def claimed_name(name: str, worker_id: str) -> str:
+    if name.endswith(".json"):
+        return f"{name[: -len('.json')]}@{worker_id}.json"
+    return f"{name}@{worker_id}"
+
+
+def split_claimed_name(claimed: str) -> tuple[str, str]:
+    """Inverse of claimed_name: (original name, worker id). Worker ids contain no '@'."""
+    suffix = ".json" if claimed.endswith(".json") else ""
+    base = claimed[: len(claimed) - len(suffix)]
+    original, _, worker_id = base.rpartition("@")
+    return original + suffix, worker_id
+
+
+def _scan(directory: Path) -> list[Entry]:
+    entries = []
+    with os.scandir(directory) as it:
+        for d in it:
+            try:
+                st = d.stat(follow_symlinks=False)
+            except FileNotFoundError:  # moved away while we listed
+                continue
+            entries.append(Entry(d.name, Path(d.path), st.st_mtime, st.st_ctime, st.st_size))
+    return entries
+
+
+class Spool:
+    """A spool rooted at one directory. Cheap to construct; holds no open files."""
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = False):
+        self.root = Path(root).absolute()
+        for state in STATES:
+            setattr(self, state, self.root / state)
+        if create:
+            for state in STATES:
+                (self.root / state).mkdir(parents=True, exist_ok=True)
+        self._check_layout()
+
+    tmp: Path
+    requests: Path
+    claimed: Path
+    results: Path
+    done: Path
+    bad: Path
+    workers: Path
+
+    def _check_layout(self) -> None:
+        missing = [s for s in STATES if not (self.root / s).is_dir()]
+        if missing:
+            raise SpoolError(
+                f"{self.root} is not a spool: missing {', '.join(m + '/' for m in missing)}. "
+                f"Create it with `spoolctl init {self.root}` (or let `rollout-svc serve` create it)."
+            )
+        devices = {(self.root / s).stat().st_dev for s in STATES}
+        if len(devices) > 1:
+            raise SpoolError(
+                f"the directories of spool {self.root} are on {len(devices)} filesystems; "
+                "renames between them are not atomic. Keep all of them on one filesystem."
+            )
+
+    # -- producers -----------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Path:
+        """Durably publish one request. Raises RequestExists if its id is already in use."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[Request]) -> list[Path]:
+        """Publish several requests with one directory fsync (group commit)."""
+        for request in requests:
+            if self.locate(request.request_id):
+                raise RequestExists(
+                    f"request id {request.request_id!r} is already used in {self.root} "
+                    f"({', '.join(str(p) for p in self.locate(request.request_id))}); "
+                    "pick a new id"
+                )
+        scratch_paths = []
+        for request in requests:
+            scratch = self.tmp / fsio.scratch_name(request.request_id)
+            fsio.write_synced(scratch, encode_pretty(request))
+            scratch_paths.append(scratch)
+        finals = []
+        for request, scratch in zip(requests, scratch_paths):
+            final = self.requests / f"{request.request_id}.json"
+            if not fsio.link_no_replace(scratch, final):
+                raise RequestExists(f"request id {request.request_id!r} was submitted concurrently")
+            finals.append(final)
+        fsio.fsync_dir(self.requests)
+        return finals
+
+    def read_result(self, request_id: str) -> Result | None:
+        """The result for `request_id`, from results/ or, once consumed, from done/."""
+        for path in (self.results / f"{request_id}.json", self.done / f"{request_id}{_RESULT_SUFFIX}"):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            return decode_result(data)
+        return None
+
+    def consume_result(self, request_id: str) -> None:
+        """Move a read result out of results/ into done/, where pruning will find it."""
+        try:
+            os.rename(self.results / f"{request_id}.json", self.done / f"{request_id}{_RESULT_SUFFIX}")
+        except FileNotFoundError:
+            pass
+
+    def has_result(self, request_id: str) -> bool:
+        return os.path.lexists(self.results / f"{request_id}.json") or os.path.lexists(
+            self.done / f"{request_id}{_RESULT_SUFFIX}"
+        )
+
+    def locate(self, request_id: str) -> list[Path]:
+        """Every file of this request id, in any state."""
+        candidates = [
+            self.requests / f"{request_id}.json",
+            self.results / f"{request_id}.json",
+            self.done / f"{request_id}{_REQUEST_SUFFIX}",
+            self.done / f"{request_id}{_RESULT_SUFFIX}",
+            self.bad / f"{request_id}.json",
+        ]
+        found = [p for p in candidates if os.path.lexists(p)]
+        found += [e.path for e in _scan(self.claimed) if split_claimed_name(e.name)[0] == f"{request_id}.json"]
+        return found
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def pending(self) -> list[Entry]:
+        """Entries in requests/, oldest first. Hidden files (editors' swap files) are skipped."""
+        entries = [e for e in _scan(self.requests) if not e.name.startswith(".")]
+        entries.sort(key=lambda e: (e.mtime, e.name))
+        return entries
+
+    def claim(self, entry: Entry, worker_id: str) -> Claim | None:
+        """Move `entry` into claimed/ for `worker_id`. None when another worker got it first."""
+        target = self.claimed / claimed_name(entry.name, worker_id)
+        try:
+            os.rename(entry.path, target)
+        except FileNotFoundError:
+            return None
+        return Claim(entry.name, target, worker_id, entry.mtime)
+
+    def load(self, claim: Claim, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
+        """Read and validate a claimed request. Raises MessageError, never anything else."""
+        request_id = claim.request_id
+        if request_id is None:
+            raise MessageError(
+                ErrorCode.INVALID_REQUEST,
+                f"file name {claim.name!r} is not <request_id>.json with an id matching "
+                "[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
+            )
+        st = os.lstat(claim.path)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise MessageError(
+                ErrorCode.NOT_A_FILE,
+                f"requests/{claim.name} is {kind}; submit a regular file (write it in tmp/, then mv)",
+            )
+        if st.st_size > max_bytes:
+            raise MessageError(
+                ErrorCode.TOO_LARGE,
+                f"requests/{claim.name} is {st.st_size} bytes, more than the {max_bytes} accepted; "
+                "split it into several requests",
+            )
+        try:
+            data = fsio.read_regular_file(claim.path, max_bytes)
+        except ValueError:
+            raise MessageError(ErrorCode.TOO_LARGE, f"requests/{claim.name} grew past {max_bytes} bytes") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise MessageError(ErrorCode.NOT_A_FILE, f"requests/{claim.name} is a symlink") from None
+            raise
+        request = decode_request(data)
+        if request.request_id != request_id:
+            raise MessageError(
+                ErrorCode.ID_MISMATCH,
+                f"request_id {request.request_id!r} differs from the file name {claim.name!r}; "
+                f"name the file {request.request_id}.json",
+            )
+        return request
+
+    def holds(self, claim: Claim) -> bool:
+        """True while the claim is still ours (recovery has not given it back)."""
+        return os.path.lexists(claim.path)
+
+    def publish_results(self, results: list[Result]) -> list[bool]:
+        """Durably publish results with one directory fsync. The first result of an id wins:
+        returns, per result, whether this call published it."""
+        published = []
+        for result in results:
+            scratch = self.tmp / fsio.scratch_name(result.request_id)
+            # Compact: results carry [prompt][sample][token] lists; `spoolctl show` pretty-prints.
+            fsio.write_synced(scratch, encode(result))
+            published.append(fsio.link_no_replace(scratch, self.results / f"{result.request_id}.json"))
+        if any(published):
+            fsio.fsync_dir(self.results)
+        return published
+
+    def finish(self, claim: Claim) -> None:
+        """Archive a served claim in done/. Its result must already be published."""
+        request_id = claim.request_id
+        self._move_claim(claim, self.done / f"{request_id}{_REQUEST_SUFFIX}")
+
+    def reject(self, claim: Claim, error: MessageError, worker_id: str = "") -> bool:
+        """Give a bad request its error result (when it has a valid id) and keep it in bad/.
+
+        Returns whether the error result was published by this call."""
+        published = False
+        if claim.request_id is not None:
+            result = Result.failure(
+                claim.request_id, error.code, error.message, worker_id=worker_id, finished_at=time.time()
+            )
+            published = self.publish_results([result])[0]
+        else:
+            note = self.bad / f"{claim.name}.error.txt"
+            fsio.publish(self.tmp, note, f"{error.code.value}: {error.message}\n".encode(), replace=True)
+        self._move_claim(claim, self._free_name(self.bad, claim.name))
+        return published
+
+    def release(self, claim: Claim) -> None:
+        """Give a claim back to requests/ unserved (shutdown, or the worker cannot serve it)."""
+        self._move_claim(claim, self.requests / claim.name)
+
+    def _move_claim(self, claim: Claim, target: Path) -> None:
+        try:
+            os.rename(claim.path, target)
+        except FileNotFoundError:  # recovered meanwhile; whoever holds it now will finish it
+            pass
+
+    @staticmethod
+    def _free_name(directory: Path, name: str) -> Path:
+        target, n = directory / name, 1
+        while os.path.lexists(target):
+            target, n = directory / f"{name}.{n}", n + 1
+        return target
+
+    # -- worker status and leases --------------------------------------------------------------
+
+    def write_status(self, status: WorkerStatus) -> None:
+        # Not fsynced: it is rewritten every few seconds and only its freshness matters.
+        fsio.publish(self.tmp, self.workers / f"{status.worker_id}.json", encode_pretty(status), replace=True, durable=False)
+
+    def remove_status(self, worker_id: str) -> None:
+        try:
+            os.unlink(self.workers / f"{worker_id}.json")
+        except FileNotFoundError:
+            pass
+
+    def statuses(self) -> list[tuple[Entry, WorkerStatus | None]]:
+        """Every status file with its decoded content (None when unreadable)."""
+        out = []
+        for entry in _scan(self.workers):
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                out.append((entry, decode_status(entry.path.read_bytes())))
+            except (OSError, MessageError):
+                out.append((entry, None))
+        return out
+
+    def live_workers(self, now: float | None = None) -> list[WorkerStatus]:
+        now = time.time() if now is None else now
+        return [s for e, s in self.statuses() if s is not None and now - e.mtime <= s.lease_s]
+
+    def recover_stale(self, default_lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> list[str]:
+        """Put back in requests/ every claim whose worker is dead; returns their names.
+
+        A worker is dead when its status file is older than its own lease, or, without a
+        readable status file, when the claim itself is older than `default_lease_s`.
+        """
+        now = time.time() if now is None else now
+        heartbeats = {s.worker_id: (e.mtime, s.lease_s) for e, s in self.statuses() if s is not None}
+        recovered = []
+        for entry in _scan(self.claimed):
+            original, worker_id = split_claimed_name(entry.name)
+            beat, lease = heartbeats.get(worker_id, (entry.ctime, default_lease_s))
+            if now - beat <= lease:
+                continue
+            try:
+                os.rename(entry.path, self.requests / original)
+            except FileNotFoundError:
+                continue  # finished or recovered by someone else meanwhile
+            recovered.append(original)
+        return recovered
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    def entries(self, state: str) -> list[Entry]:
+        if state not in STATES:
+            raise ValueError(f"unknown state {state!r}; one of {', '.join(STATES)}")
+        return sorted(_scan(self.root / state), key=lambda e: (e.mtime, e.name))
+
+    def prune(self, *, done_older_than_s: float, tmp_older_than_s: float = 3600.0, now: float | None = None) -> dict[str, int]:
+        """Delete done/ entries archived more than `done_older_than_s` ago and tmp/ leftovers
+        older than `tmp_older_than_s` (a writer needs well under a second for a scratch file)."""
+        now = time.time() if now is None else now
+        removed = {"done": 0, "tmp": 0}
+        for state, age_limit in (("done", done_older_than_s), ("tmp", tmp_older_than_s)):
+            for entry in _scan(self.root / state):
+                # ctime: when the entry was moved here (rename keeps mtime, sets ctime).
+                if now - max(entry.ctime, entry.mtime) > age_limit:
+                    try:
+                        os.unlink(entry.path)
+                        removed[state] += 1
+                    except FileNotFoundError:
+                        pass
+        return removed

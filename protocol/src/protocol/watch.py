@@ -1,0 +1,103 @@
+"""File events as hints: a Waker that wakes a scanner when a spool directory may have changed.
+
+inotify loses events (queue overflow, bursts, files present before the watch starts) and sees
+nothing written by other NFS clients, so nothing here says *what* changed: a wake-up only makes
+the owner rescan the directory, and the owner also rescans on a timer. On filesystems without
+inotify (NFS, Lustre, CIFS, FUSE) the Waker polls instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.polling import PollingObserver
+
+log = logging.getLogger(__name__)
+# watchdog logs an ERROR when an event arrives while its observer is stopping; at our shutdown
+# that is expected and says nothing about the spool.
+logging.getLogger("watchdog.observers.inotify").setLevel(logging.CRITICAL)
+
+# Filesystem types on which inotify does not see other hosts' writes.
+_NETWORK_FS = ("nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "gpfs", "beegfs", "9p")
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path`, from /proc/self/mounts ("" when unknown)."""
+    path = Path(path).resolve()
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = path == Path(mount_point) or Path(mount_point) in path.parents
+                if inside and len(mount_point) > len(best):
+                    best, fstype = mount_point, fields[2]
+    except OSError:
+        return ""
+    return fstype
+
+
+def needs_polling(path: Path) -> bool:
+    fstype = filesystem_type(path)
+    return fstype in _NETWORK_FS or fstype.startswith("fuse")
+
+
+class _Wake(FileSystemEventHandler):
+    def __init__(self, event: threading.Event):
+        self._event = event
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        self._event.set()
+
+
+class Waker:
+    """Sets an Event when any watched directory may have changed.
+
+    Use as a context manager; `wait(timeout)` returns after a hint or after `timeout` seconds,
+    whichever comes first, and the caller rescans either way.
+    """
+
+    def __init__(self, directories: list[Path], *, poll: bool | None = None, poll_interval_s: float = 1.0):
+        self.directories = [Path(d) for d in directories]
+        self.polling = any(needs_polling(d) for d in self.directories) if poll is None else poll
+        self._event = threading.Event()
+        if self.polling:
+            self._observer = PollingObserver(timeout=poll_interval_s)
+        else:
+            self._observer = Observer()
+        for directory in self.directories:
+            self._observer.schedule(_Wake(self._event), os.fspath(directory), recursive=False)
+
+    def __enter__(self) -> Waker:
+        try:
+            self._observer.start()
+        except OSError as exc:  # inotify limits reached, or no inotify: poll instead
+            log.warning("file events unavailable (%s); polling %s", exc, self.directories)
+            self._observer = PollingObserver()
+            for directory in self.directories:
+                self._observer.schedule(_Wake(self._event), os.fspath(directory), recursive=False)
+            self._observer.start()
+            self.polling = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=5)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a hint or `timeout`; True when woken by a hint. Clears the hint."""
+        woke = self._event.wait(timeout)
+        self._event.clear()
+        return woke
+
+    def poke(self) -> None:
+        """Wake the waiter from another thread (shutdown, for instance)."""
+        self._event.set()
