@@ -24,7 +24,6 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _ID_RE = re.compile(ID_PATTERN)
 
 Id = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
-AbsolutePath = Annotated[str, msgspec.Meta(pattern=r"^/", max_length=4096)]
 Prompt = Annotated[str, msgspec.Meta(max_length=1_000_000)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -57,7 +56,7 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A generation request: `requests/<request_id>.json`, written by a producer."""
 
     request_id: Id  # equals the file name without `.json`; unique per spool
-    weights_dir: AbsolutePath  # HF-format model directory the samples must come from
+    weights_dir: Annotated[str, msgspec.Meta(max_length=4096)]  # absolute path of an HF-format model directory
     prompts: Annotated[list[Prompt], msgspec.Meta(min_length=1)]  # plain text, one per prompt
     n_samples_per_prompt: PositiveInt  # G: completions sampled for each prompt
     max_tokens: PositiveInt  # cap on generated tokens per completion
@@ -69,6 +68,11 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deadline: float | None = None  # unix time; after it the request gets `deadline_expired`
     tag: str = ""  # free label for operators: train, eval, canary...
     schema: int = SCHEMA_VERSION  # message version, see SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        # A relative path would resolve against each worker's own working directory.
+        if not self.weights_dir.startswith("/"):
+            raise ValueError(f"weights_dir must be an absolute path, got {self.weights_dir!r}")
 
 
 class Error(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,0 +1,221 @@
+"""`spoolctl`: an operator's view of a spool. Every command reads like `ls`; `--json` for scripts.
+
+    spoolctl stats  -s /srv/spool          queue depth, oldest request, live workers
+    spoolctl ls     -s /srv/spool bad      entries of one or more states, with ages
+    spoolctl show   -s /srv/spool ID       every file of one request id
+    spoolctl requeue -s /srv/spool ID      put a request back in requests/ (from bad/, done/...)
+    spoolctl recover -s /srv/spool         give dead workers' claims back now
+    spoolctl prune  -s /srv/spool --older-than 7d
+    spoolctl init   /srv/spool             create the layout
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .spool import DEFAULT_LEASE_S, STATES
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect and repair a rollout spool.")
+
+SpoolOpt = Annotated[Path, typer.Option("--spool", "-s", envvar="SPOOL_DIR", help="Spool directory (or $SPOOL_DIR).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '15m', '2h', '7d' -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not match:
+        raise typer.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 15m, 2h or 7d")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def format_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _open(spool_dir: Path):
+    from .spool import Spool, SpoolError
+
+    try:
+        return Spool(spool_dir)
+    except SpoolError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _emit_json(data) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for column in columns:
+        table.add_column(column, no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=max(100, Console().width)).print(table)
+
+
+@app.command()
+def init(spool_dir: Annotated[Path, typer.Argument(help="Directory to create the spool in.")]) -> None:
+    """Create the spool layout (tmp, requests, claimed, results, done, bad, workers)."""
+    from .spool import Spool
+
+    spool = Spool(spool_dir, create=True)
+    typer.echo(f"spool ready at {spool.root}")
+
+
+@app.command("ls")
+def list_entries(
+    spool_dir: SpoolOpt,
+    states: Annotated[Optional[list[str]], typer.Argument(help=f"States to list: {', '.join(STATES)}; default all but tmp.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List entries by state, oldest first, with their ages."""
+    spool = _open(spool_dir)
+    states = states or [s for s in STATES if s != "tmp"]
+    for state in states:
+        if state not in STATES:
+            raise typer.BadParameter(f"unknown state {state!r}; one of {', '.join(STATES)}")
+    now = time.time()
+    listing = {
+        state: [{"name": e.name, "age_s": round(now - e.mtime, 3), "bytes": e.size} for e in spool.entries(state)]
+        for state in states
+    }
+    if as_json:
+        _emit_json(listing)
+        return
+    for state, entries in listing.items():
+        typer.echo(f"{state}/ ({len(entries)})")
+        for e in entries:
+            typer.echo(f"  {format_age(e['age_s']):>7}  {e['bytes']:>9}  {e['name']}")
+
+
+@app.command()
+def show(spool_dir: SpoolOpt, request_id: Annotated[str, typer.Argument(help="Request id.")], as_json: JsonOpt = False) -> None:
+    """Show every file of one request id: the request, its claim, its result."""
+    spool = _open(spool_dir)
+    paths = spool.locate(request_id)
+    if not paths:
+        typer.echo(f"error: no file of request {request_id!r} in {spool.root}", err=True)
+        raise typer.Exit(1)
+    shown = {}
+    for path in paths:
+        try:
+            shown[str(path.relative_to(spool.root))] = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            shown[str(path.relative_to(spool.root))] = {"unreadable": str(exc)}
+    if as_json:
+        _emit_json(shown)
+        return
+    for name, content in shown.items():
+        typer.echo(f"== {name}")
+        typer.echo(json.dumps(_summarise(content), indent=2))
+
+
+def _summarise(content):
+    """Results carry [prompt][sample][token] lists; for people, show texts and sizes only."""
+    if not isinstance(content, dict) or "ok" not in content:
+        return content
+    summary = {k: v for k, v in content.items() if k not in ("token_ids", "logprobs", "prompt_token_ids")}
+    summary["generated_tokens"] = sum(len(t) for p in content.get("token_ids", []) for t in p)
+    return summary
+
+
+@app.command()
+def requeue(
+    spool_dir: SpoolOpt,
+    request_id: Annotated[str, typer.Argument(help="Request id.")],
+    force: Annotated[bool, typer.Option(help="Also take it from a live worker's claim.")] = False,
+) -> None:
+    """Put a request back in requests/ (from bad/, done/ or a dead worker's claim) to run again.
+
+    Its old result, if any, is kept in done/ as <id>.result.superseded-<time>.json."""
+    from .admin import RequeueError, requeue_request
+
+    spool = _open(spool_dir)
+    try:
+        source = requeue_request(spool, request_id, force=force)
+    except RequeueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"requeued {request_id} from {source.parent.name}/")
+
+
+@app.command()
+def recover(
+    spool_dir: SpoolOpt,
+    lease: Annotated[float, typer.Option(help="Lease for claims whose worker left no status file (s).")] = DEFAULT_LEASE_S,
+) -> None:
+    """Give claims of dead workers (heartbeat older than their lease) back to requests/."""
+    spool = _open(spool_dir)
+    recovered = spool.recover_stale(lease)
+    typer.echo(f"recovered {len(recovered)} claims" + (": " + ", ".join(recovered) if recovered else ""))
+
+
+@app.command()
+def prune(
+    spool_dir: SpoolOpt,
+    older_than: Annotated[str, typer.Option(help="Delete done/ entries archived longer ago than this (90s, 15m, 2h, 7d).")],
+    tmp_older_than: Annotated[str, typer.Option(help="Delete tmp/ leftovers older than this.")] = "1h",
+) -> None:
+    """Delete old entries of done/ and leftover scratch files of tmp/."""
+    spool = _open(spool_dir)
+    removed = spool.prune(done_older_than_s=parse_duration(older_than), tmp_older_than_s=parse_duration(tmp_older_than))
+    typer.echo(f"removed {removed['done']} from done/, {removed['tmp']} from tmp/")
+
+
+@app.command()
+def stats(spool_dir: SpoolOpt, as_json: JsonOpt = False) -> None:
+    """Queue depth per state, the oldest waiting request, and every worker with what it does."""
+    from .admin import spool_stats
+
+    report = spool_stats(_open(spool_dir))
+    if as_json:
+        _emit_json(report)
+        return
+    counts = "  ".join(f"{state} {n}" for state, n in report["counts"].items())
+    typer.echo(f"spool {report['spool']}\n  {counts}")
+    oldest = report["oldest_request_age_s"]
+    typer.echo(f"  oldest waiting request: {format_age(oldest) if oldest is not None else '-'}")
+    rows = [
+        [
+            w["worker_id"],
+            "live" if w["live"] else "DEAD",
+            w.get("state") or "?",
+            w.get("current_request") or "-",
+            format_age(w["heartbeat_age_s"]),
+            f"{w.get('host', '?')}:{w.get('pid', '?')}",
+            w.get("device") or "?",
+            str(w.get("requests_ok", "")),
+            str(w.get("requests_failed", "")),
+            (w.get("last_error") or "")[:60],
+        ]
+        for w in report["workers"]
+    ]
+    columns = ["worker", "", "state", "request", "beat", "host:pid", "device", "ok", "failed", "last error"]
+    _table(f"workers ({report['live_workers']} live)", columns, rows)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""spoolctl, driven as an operator would, against a real spool and a real echo worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from protocol.cli import app, format_age, parse_duration
+from protocol.messages import Request, WorkerStatus
+from protocol.spool import Spool
+
+runner = CliRunner()
+
+
+def request(request_id: str, **overrides) -> Request:
+    fields = dict(request_id=request_id, weights_dir="/models/m", prompts=["2+2="], n_samples_per_prompt=1, max_tokens=4, temperature=0.0)
+    return Request(**(fields | overrides))
+
+
+def invoke(spool: Spool, *args: str):
+    result = runner.invoke(app, [args[0], "--spool", str(spool.root), *args[1:]])
+    return result
+
+
+@pytest.fixture
+def spool(tmp_path):
+    return Spool(tmp_path / "spool", create=True)
+
+
+def write_status(spool: Spool, worker_id: str, *, age_s: float = 0.0, lease_s: float = 30.0, state="idle"):
+    now = time.time()
+    status = WorkerStatus(worker_id=worker_id, pid=123, host="h", device="cpu", engine="echo", state=state,
+                          lease_s=lease_s, started_at=now, heartbeat_at=now)
+    spool.write_status(status)
+    path = spool.workers / f"{worker_id}.json"
+    os.utime(path, (now - age_s, now - age_s))
+
+
+def test_init_creates_the_layout(tmp_path):
+    result = runner.invoke(app, ["init", str(tmp_path / "s")])
+    assert result.exit_code == 0
+    assert sorted(os.listdir(tmp_path / "s")) == sorted(["tmp", "requests", "claimed", "results", "done", "bad", "workers"])
+
+
+def test_a_directory_that_is_not_a_spool_is_named_with_the_fix(tmp_path):
+    result = runner.invoke(app, ["stats", "--spool", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "spoolctl init" in result.output
+
+
+def test_ls_lists_by_state_with_ages_and_json(spool):
+    spool.submit(request("a"))
+    spool.submit(request("b"))
+    human = invoke(spool, "ls", "requests")
+    assert human.exit_code == 0
+    assert "requests/ (2)" in human.output and "a.json" in human.output
+    data = json.loads(invoke(spool, "ls", "requests", "bad", "--json").output)
+    assert [e["name"] for e in data["requests"]] == ["a.json", "b.json"]
+    assert data["bad"] == [] and all(e["age_s"] >= 0 for e in data["requests"])
+
+
+def test_ls_refuses_an_unknown_state(spool):
+    result = invoke(spool, "ls", "nowhere")
+    assert result.exit_code != 0 and "unknown state" in result.output
+
+
+def test_show_finds_every_file_of_an_id(spool):
+    spool.submit(request("a"))
+    data = json.loads(invoke(spool, "show", "a", "--json").output)
+    assert data == {"requests/a.json": json.loads((spool.requests / "a.json").read_bytes())}
+    missing = invoke(spool, "show", "zzz")
+    assert missing.exit_code == 1 and "no file of request 'zzz'" in missing.output
+
+
+def test_stats_counts_states_and_tells_live_from_dead_workers(spool):
+    spool.submit(request("a"))
+    write_status(spool, "alive", age_s=1)
+    write_status(spool, "gone", age_s=100, lease_s=30)
+    data = json.loads(invoke(spool, "stats", "--json").output)
+    assert data["counts"]["requests"] == 1
+    assert data["oldest_request_age_s"] >= 0
+    assert {w["worker_id"]: w["live"] for w in data["workers"]} == {"alive": True, "gone": False}
+    assert data["live_workers"] == 1
+    human = invoke(spool, "stats")
+    assert human.exit_code == 0 and "DEAD" in human.output and "1 live" in human.output
+
+
+def test_recover_gives_dead_claims_back(spool):
+    spool.submit(request("a"))
+    claim = spool.claim(spool.pending()[0], "gone")
+    write_status(spool, "gone", age_s=100)
+    result = invoke(spool, "recover")
+    assert result.exit_code == 0 and "recovered 1 claims: a.json" in result.output
+    assert not claim.path.exists() and (spool.requests / "a.json").exists()
+
+
+def test_requeue_from_bad_archives_the_old_result(spool):
+    spool.submit(request("a"))
+    claim = spool.claim(spool.pending()[0], "w")
+    from protocol.messages import ErrorCode, MessageError
+
+    spool.reject(claim, MessageError(ErrorCode.INVALID_REQUEST, "broken"), "w")
+    assert spool.has_result("a")
+    result = invoke(spool, "requeue", "a")
+    assert result.exit_code == 0 and "from bad/" in result.output
+    assert (spool.requests / "a.json").exists()
+    assert not spool.has_result("a")  # otherwise a worker would skip it
+    assert any(name.startswith("a.result.superseded-") for name in os.listdir(spool.done))
+
+
+def test_requeue_refuses_a_live_claim_unless_forced(spool):
+    spool.submit(request("a"))
+    spool.claim(spool.pending()[0], "busy")
+    write_status(spool, "busy", age_s=0)
+    refused = invoke(spool, "requeue", "a")
+    assert refused.exit_code == 1 and "live worker busy" in refused.output and "--force" in refused.output
+    forced = invoke(spool, "requeue", "a", "--force")
+    assert forced.exit_code == 0 and (spool.requests / "a.json").exists()
+
+
+def test_requeue_of_a_queued_or_unknown_request_is_refused(spool):
+    spool.submit(request("a"))
+    assert "already waiting" in invoke(spool, "requeue", "a").output
+    assert "submit it again" in invoke(spool, "requeue", "nope").output
+
+
+def test_prune_removes_only_old_entries(spool):
+    old, young = spool.done / "old.request.json", spool.done / "young.request.json"
+    old.write_text("{}")
+    young.write_text("{}")
+    past = time.time() - 3 * 86400
+    os.utime(old, (past, past))
+    # ctime cannot be set back; the prune reads max(ctime, mtime), so age the spool clock instead
+    from protocol import spool as spool_module
+
+    removed = spool.prune(done_older_than_s=2 * 86400, now=time.time() + 0)
+    assert removed["done"] == 0  # ctime of both is now: neither is old
+    removed = spool.prune(done_older_than_s=2 * 86400, now=time.time() + 3 * 86400 - 60)
+    assert removed == {"done": 2, "tmp": 0} and spool_module  # both moved in at about the same time
+    result = invoke(spool, "prune", "--older-than", "7d")
+    assert result.exit_code == 0 and "removed 0 from done/" in result.output
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("7d", 604800), ("1.5h", 5400)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+def test_parse_duration_refuses_nonsense():
+    import typer
+
+    with pytest.raises(typer.BadParameter, match="not a duration"):
+        parse_duration("soon")
+
+
+def test_format_age():
+    assert format_age(5) == "5.0s" and format_age(120) == "2.0m" and format_age(7200) == "2.0h" and format_age(2 * 86400) == "2.0d"
