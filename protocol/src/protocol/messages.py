@@ -57,7 +57,7 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     request_id: Id  # equals the file name without `.json`; unique per spool
     weights_dir: Annotated[str, msgspec.Meta(max_length=4096)]  # absolute path of an HF-format model directory
-    prompts: Annotated[list[Prompt], msgspec.Meta(min_length=1)]  # plain text, one per prompt
+    prompts: list[Prompt] = []  # plain-text prompts; or give prompt_token_ids instead
     n_samples_per_prompt: PositiveInt  # G: completions sampled for each prompt
     max_tokens: PositiveInt  # cap on generated tokens per completion
     temperature: NonNegativeFloat  # 0 means greedy
@@ -67,12 +67,27 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool = True  # return the sampling logprob of each generated token
     deadline: float | None = None  # unix time; after it the request gets `deadline_expired`
     tag: str = ""  # free label for operators: train, eval, canary...
+    prompt_token_ids: list[list[int]] | None = None  # prompts already tokenized, instead of `prompts`
+    weights_content_id: str | None = None  # if set, weights with another content id are refused
     schema: int = SCHEMA_VERSION  # message version, see SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         # A relative path would resolve against each worker's own working directory.
         if not self.weights_dir.startswith("/"):
             raise ValueError(f"weights_dir must be an absolute path, got {self.weights_dir!r}")
+        if bool(self.prompts) == bool(self.prompt_token_ids):
+            raise ValueError("give exactly one of `prompts` (texts) and `prompt_token_ids` (token id lists), non-empty")
+        if self.prompt_token_ids and any(not ids or min(ids) < 0 for ids in self.prompt_token_ids):
+            raise ValueError("each list of `prompt_token_ids` must be non-empty and hold ids >= 0")
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) or len(self.prompt_token_ids or ())
+
+    @property
+    def num_sequences(self) -> int:
+        """Completions this request asks for."""
+        return self.num_prompts * self.n_samples_per_prompt
 
 
 class Error(msgspec.Struct, forbid_unknown_fields=True):

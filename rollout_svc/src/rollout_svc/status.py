@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 from protocol.messages import WorkerCounters, WorkerState, WorkerStatus
 from protocol.spool import Spool
@@ -21,12 +22,23 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, spool: Spool, *, worker_id: str, engine: str, device: str, lease_s: float, interval_s: float):
+    def __init__(
+        self,
+        spool: Spool,
+        *,
+        worker_id: str,
+        engine: str,
+        device: str,
+        lease_s: float,
+        interval_s: float,
+        on_beat: Callable[[], None] = lambda: None,
+    ):
         if interval_s * 3 > lease_s:
             raise ValueError(f"heartbeat interval {interval_s} s must be at most a third of the lease {lease_s} s")
         self.spool = spool
         self.lease_s = lease_s
         self.interval_s = interval_s
+        self.on_beat = on_beat  # called after each successful beat (systemd's watchdog)
         now = time.time()
         self.status = WorkerStatus(
             worker_id=worker_id,
@@ -79,7 +91,8 @@ class Heartbeat:
                 log.error("heartbeat write failed: %s", exc)
                 return False
             self._last_beat = time.monotonic()
-            return True
+        self.on_beat()
+        return True
 
     def alive(self) -> bool:
         """True while the last successful beat is recent enough that our claims are safe.

@@ -1,11 +1,12 @@
 """The serve loop: scan, pick, claim, validate, generate, publish, archive; heartbeat throughout.
 
-    scan requests/ -> claim a batch -> load + validate each -> group by weights and sampling
-    -> engine.generate per group -> check heartbeat and claims -> publish results -> done/
+    scan requests/ -> scheduler picks a batch -> claim + validate each -> one engine call per
+    weights -> check heartbeat and claims -> publish results -> archive in done/
 
-Exit paths: SIGTERM or SIGINT finish the batch in hand and exit 0; `idle_exit_s` without a
-request exits 0; a failed heartbeat exits 1 without publishing (another worker will serve the
-claims once the lease runs out).
+Exit paths: SIGTERM or SIGINT let the batch in hand finish for up to `stop_grace_s`, then give
+its claims back, and exit 0 (a second signal gives them back at once); `idle_exit_s` without a
+request exits 0 and frees the device; a failed heartbeat exits 1 without publishing (another
+worker serves the claims once the lease runs out).
 """
 
 from __future__ import annotations
@@ -13,19 +14,23 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol.messages import ErrorCode, MessageError, Request, Result, Timings
 from protocol.spool import Claim, Spool, split_claimed_name
 from protocol.watch import Waker
 
 from .engines import Completion, Engine, RequestFailed
+from .metrics import Metrics
+from .notify import Notifier
+from .scheduling import Limits, Scheduler, weights_key
 from .status import Heartbeat
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_HEARTBEAT_LOST = 1
+EXIT_PRELOAD_FAILED = 2
 
 
 @dataclass
@@ -35,8 +40,10 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     idle_exit_s: float | None = 7200.0  # None: serve forever
     rescan_s: float = 1.0  # directory scan even without file events
-    max_batch: int = 64  # requests claimed per loop turn
+    stop_grace_s: float = 60.0  # after SIGTERM, how long the batch in hand may still run
+    limits: Limits = field(default_factory=Limits)
     poll: bool | None = None  # None: poll only on filesystems without inotify
+    preload: str | None = None  # weights to load before the first request
 
 
 @dataclass
@@ -51,25 +58,19 @@ class _Job:
         return max(0.0, self.claimed_at - self.claim.arrived_at)
 
 
-def sampling_key(request: Request) -> tuple:
-    """Requests with equal keys can be served by one engine call."""
-    return (
-        request.weights_dir,
-        request.n_samples_per_prompt,
-        request.max_tokens,
-        request.temperature,
-        request.top_p,
-        tuple(request.stop),
-        request.logprobs,
-        request.seed,
-    )
+class _StopNow(BaseException):
+    """Raised inside an engine call when the stop grace ran out (BaseException: engines must
+    not swallow it)."""
 
 
 class Worker:
-    def __init__(self, spool: Spool, engine: Engine, config: WorkerConfig):
+    def __init__(self, spool: Spool, engine: Engine, config: WorkerConfig, *, notifier: Notifier | None = None, metrics: Metrics | None = None):
         self.spool = spool
         self.engine = engine
         self.config = config
+        self.notifier = notifier or Notifier({})
+        self.metrics = metrics
+        self.scheduler = Scheduler(spool, config.limits)
         self.heartbeat = Heartbeat(
             spool,
             worker_id=config.worker_id,
@@ -77,32 +78,58 @@ class Worker:
             device=engine.device,
             lease_s=config.lease_s,
             interval_s=config.heartbeat_s,
+            on_beat=self.notifier.watchdog,
         )
+        if hasattr(engine, "on_state"):
+            engine.on_state = self._engine_state
         self._stopping = False
+        self._in_engine = False
         self._waker: Waker | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def request_stop(self, *_signal_args) -> None:
-        """Finish the batch in hand, then exit. Safe to call from a signal handler."""
+        """First signal: finish the batch in hand within the grace. Second: stop now."""
+        if self._stopping and self._in_engine:
+            raise _StopNow()
         self._stopping = True
+        self.notifier.stopping()
+        if self._in_engine:
+            signal.alarm(max(1, int(self.config.stop_grace_s)))
         if self._waker is not None:
             self._waker.poke()
+
+    def _grace_over(self, *_signal_args) -> None:
+        if self._in_engine:
+            raise _StopNow()
 
     def serve(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.request_stop)
+        signal.signal(signal.SIGALRM, self._grace_over)
         # Claims under our id are from an earlier life of this worker (same id, e.g. after a
         # crash and a systemd restart): nobody is serving them, so give them back now.
         self._recover_own_claims()
         self.heartbeat.start()
         try:
+            if self.config.preload and not self._preload(self.config.preload):
+                return EXIT_PRELOAD_FAILED
             with Waker([self.spool.requests], poll=self.config.poll) as self._waker:
+                self.notifier.ready(self._describe())
                 return self._loop()
         finally:
             self.heartbeat.set_state("stopping")
             self.heartbeat.stop(remove=True)
             self.engine.close()
+
+    def _preload(self, weights_dir: str) -> bool:
+        try:
+            self.engine.ensure_weights(weights_dir)
+        except RequestFailed as exc:
+            log.error("cannot preload %s: %s", weights_dir, exc.message)
+            return False
+        self._engine_state("idle")
+        return True
 
     def _loop(self) -> int:
         cfg = self.config
@@ -120,10 +147,14 @@ class Worker:
                 if recovered:
                     log.warning("gave back %d claims of dead workers: %s", len(recovered), recovered[:5])
             entries = self.spool.pending()
+            if self.metrics is not None:
+                self.metrics.queue_depth.set(len(entries))
+                self.metrics.write()
             if entries:
-                served = self._serve_batch(entries[: cfg.max_batch])
-                if served is not None:
-                    return served
+                batch = self.scheduler.pick(entries, self.engine.weights_dir)
+                exit_code = self._serve_batch(batch)
+                if exit_code is not None:
+                    return exit_code
                 last_work = time.monotonic()
                 continue
             if cfg.idle_exit_s is not None and now - last_work >= cfg.idle_exit_s:
@@ -152,14 +183,24 @@ class Worker:
                 jobs.append(job)
         groups: dict[tuple, list[_Job]] = {}
         for job in jobs:
-            groups.setdefault(sampling_key(job.request), []).append(job)
-        for group in groups.values():
-            results = self._generate(group)
+            groups.setdefault(weights_key(job.request), []).append(job)
+        pending = list(groups.values())
+        while pending:
+            group = pending.pop(0)
+            try:
+                results = self._generate(group)
+            except _StopNow:
+                log.warning("stop grace over; giving back %d requests", sum(map(len, [group, *pending])))
+                for job in [j for g in [group, *pending] for j in g]:
+                    self.spool.release(job.claim)
+                self.heartbeat.count(requests_abandoned=sum(map(len, [group, *pending])))
+                return EXIT_OK
             if not self.heartbeat.alive():
-                self._abandon(group, "heartbeat lost before publishing")
+                log.error("heartbeat lost before publishing %d results; abandoning them", len(group))
+                self.heartbeat.count(requests_abandoned=len(group))
                 return EXIT_HEARTBEAT_LOST
             self._publish(group, results)
-        self.heartbeat.set_state("idle")
+        self._engine_state("idle")
         return None
 
     def _accept(self, claim: Claim) -> _Job | None:
@@ -172,19 +213,19 @@ class Worker:
             self.spool.reject(claim, exc, self.config.worker_id)
             self.heartbeat.count(requests_failed=1)
             self.heartbeat.update(last_error=f"{claim.name}: {exc.message}")
+            self._count_metrics(False, exc.code.value)
             return None
         if self.spool.has_result(request.request_id):
             # Served before: a duplicate delivery after a lease recovery. First result stands.
             self.spool.finish(claim)
             return None
+        job = _Job(claim, request, claimed_at)
         if request.deadline is not None and claimed_at > request.deadline:
             late = claimed_at - request.deadline
-            job = _Job(claim, request, claimed_at)
-            message = (f"deadline passed {late:.1f} s before a worker could start it; "
-                       "resubmit with a later deadline or add workers")
+            message = f"deadline passed {late:.1f} s before a worker could start it; resubmit with a later deadline or add workers"
             self._publish([job], [self._failure(job, ErrorCode.DEADLINE_EXPIRED, message)])
             return None
-        return _Job(claim, request, claimed_at)
+        return job
 
     def _generate(self, group: list[_Job]) -> list[Result]:
         """Serve a group in one engine call. If the call fails, serve each request alone, so
@@ -192,21 +233,34 @@ class Worker:
         self.heartbeat.set_state("generating", group[0].request.request_id)
         started = time.monotonic()
         try:
+            self._in_engine = True
+            if self._stopping:  # a stop arrived between two groups: the grace applies here too
+                signal.alarm(max(1, int(self.config.stop_grace_s)))
             completions = self.engine.generate([job.request for job in group])
         except Exception as exc:
             if len(group) == 1:
                 return [self._error_result(group[0], exc)]
             return [r for job in group for r in self._generate([job])]
+        finally:
+            self._in_engine = False
+            signal.alarm(0)
         generate_s = time.monotonic() - started
-        return [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
+        results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
+        if self.metrics is not None:
+            tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
+            self.metrics.tokens.inc(tokens)
+            self.metrics.tokens_per_s.set(tokens / max(generate_s, 1e-9))
+            if completions and completions[0].reload_s:
+                self.metrics.reload_s.set(completions[0].reload_s)
+                self.metrics.reloads.inc()
+        return results
 
     def _publish(self, group: list[_Job], results: list[Result]) -> None:
         held = [(job, result) for job, result in zip(group, results) if self.spool.holds(job.claim)]
         lost = len(group) - len(held)
         if lost:
             # Recovered while we worked: the request is back in requests/ and someone else
-            # owns it now. Publishing could still be right (first result wins), but the rule
-            # is simple and safe: a worker publishes only for claims it still holds.
+            # owns it now. A worker publishes only for claims it still holds.
             log.warning("%d claims were taken back during generation; not publishing them", lost)
             self.heartbeat.count(requests_abandoned=lost)
         self.spool.publish_results([r for _, r in held])
@@ -218,10 +272,30 @@ class Worker:
                 self.heartbeat.count(requests_ok=1, samples=samples, tokens=tokens)
             else:
                 self.heartbeat.count(requests_failed=1)
+            self._count_metrics(result.ok, result.error.code.value if result.error else None)
 
-    def _abandon(self, group: list[_Job], why: str) -> None:
-        log.error("abandoning %d requests: %s", len(group), why)
-        self.heartbeat.count(requests_abandoned=len(group))
+    # -- status ----------------------------------------------------------------------------------
+
+    def _engine_state(self, state: str, **_fields) -> None:
+        """Engines report loading/reloading/generating; mirror it in the status and systemd."""
+        current = self.heartbeat.status.current_request if state in ("reloading", "loading", "generating") else None
+        self.heartbeat.update(
+            state=state,
+            current_request=current,
+            weights_dir=self.engine.weights_dir,
+            weights_content_id=self.engine.weights_content_id,
+        )
+        self.notifier.status(self._describe())
+
+    def _describe(self) -> str:
+        s = self.heartbeat.status
+        weights = s.weights_dir or "no weights loaded"
+        doing = f" {s.current_request}" if s.current_request else ""
+        return f"{s.state}{doing}; {weights}; ok {s.counters.requests_ok}, failed {s.counters.requests_failed}"
+
+    def _count_metrics(self, ok: bool, code: str | None) -> None:
+        if self.metrics is not None:
+            self.metrics.answered(ok, code)
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -243,7 +317,7 @@ class Worker:
             logprobs=c.logprobs if job.request.logprobs else [],
             finish_reasons=c.finish_reasons,
             prompt_token_ids=c.prompt_token_ids,
-            timings=Timings(queued_s=job.queued_s, reload_s=c.reload_s, generate_s=generate_s),
+            timings=Timings(queued_s=job.queued_s, reload_s=c.reload_s, generate_s=generate_s - c.reload_s),
             **self._common(job),
         )
 

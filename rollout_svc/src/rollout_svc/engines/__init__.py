@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from .base import Completion, Engine, RequestFailed
 
-ENGINES = ("echo",)
+ENGINES = ("echo", "vllm")
 
 
 def make_engine(name: str, **options) -> Engine:
+    """`options` go to the engine's constructor (see VllmEngine); echo takes none."""
     if name == "echo":
         from .echo import EchoEngine
 
         return EchoEngine()
+    if name == "vllm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(**options)
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
 
 

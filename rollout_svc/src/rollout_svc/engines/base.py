@@ -42,8 +42,13 @@ class Engine(Protocol):
     weights_dir: str | None  # weights currently loaded, if the engine has any
     weights_content_id: str | None
 
+    def ensure_weights(self, weights_dir: str, expected_content_id: str | None = None) -> float:
+        """Load `weights_dir` if it is not what the engine holds; returns the seconds spent.
+        Raises RequestFailed for weights it cannot serve."""
+        ...
+
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Serve requests sharing weights_dir and sampling settings, in one engine call."""
+        """Serve requests sharing weights_dir (and content id), in one engine call."""
         ...
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 An operator's smoke test of a deployment (spool permissions, systemd units, producers) without
 a GPU or weights. Tokens are Unicode code points: a completion is the first `max_tokens`
 characters of its prompt, finishing with "length" when that cut it short and "stop" otherwise.
-Each token's logprob is 0.0 (the echo is certain).
+Each token's logprob is 0.0 (the echo is certain). Prompts given as token ids are echoed as
+those ids, their text being the code points they name.
 """
 
 from __future__ import annotations
@@ -20,22 +21,28 @@ class EchoEngine:
     weights_dir = None
     weights_content_id = None
 
+    def ensure_weights(self, weights_dir: str, expected_content_id: str | None = None) -> float:
+        return 0.0  # no weights: any weights_dir is served by echoing
+
     def generate(self, requests: list[Request]) -> list[Completion]:
         return [self._echo(request) for request in requests]
 
     @staticmethod
     def _echo(request: Request) -> Completion:
         n = request.n_samples_per_prompt
+        prompt_ids = request.prompt_token_ids or [[ord(c) for c in p] for p in request.prompts]
         texts, token_ids, logprobs, finish = [], [], [], []
-        for prompt in request.prompts:
-            text = prompt[: request.max_tokens]
-            ids = [ord(c) for c in text]
-            texts.append([text] * n)
-            token_ids.append([ids] * n)
-            logprobs.append([[0.0] * len(ids)] * n)
-            finish.append(["length" if len(prompt) > request.max_tokens else "stop"] * n)
-        prompt_ids = [[ord(c) for c in prompt] for prompt in request.prompts]
+        for ids in prompt_ids:
+            kept = ids[: request.max_tokens]
+            texts.append(["".join(_char(i) for i in kept)] * n)
+            token_ids.append([kept] * n)
+            logprobs.append([[0.0] * len(kept)] * n)
+            finish.append(["length" if len(ids) > request.max_tokens else "stop"] * n)
         return Completion(texts, token_ids, logprobs, finish, prompt_ids)
 
     def close(self) -> None:
         pass
+
+
+def _char(code_point: int) -> str:
+    return chr(code_point) if code_point <= 0x10FFFF else "\ufffd"

@@ -1,0 +1,26 @@
+"""Methods added to each vLLM worker process (vLLM's `worker_extension_cls`).
+
+Called by name through `LLM.collective_rpc`; they run next to the model's tensors, so a
+check of what the engine holds moves a few floats across processes, not the weights.
+"""
+
+from __future__ import annotations
+
+
+class WeightProbe:
+    def parameter_sizes(self) -> dict[str, list[int]]:
+        """Name -> shape of every parameter that holds data in this worker.
+
+        Some backends repack fused layers into kernel-specific buffers and leave the
+        parameter empty; those are left out, as they cannot be compared with a file."""
+        return {name: list(p.shape) for name, p in self.model_runner.model.named_parameters() if p.numel() > 0}
+
+    def parameter_sums(self, rows_by_name: dict[str, int]) -> dict[str, float]:
+        """Float64 sum of the first `rows` rows of each named parameter (the engine may pad a
+        vocabulary dimension beyond the checkpoint's rows)."""
+        params = dict(self.model_runner.model.named_parameters())
+        return {
+            name: float(params[name].detach()[:rows].double().sum().item())
+            for name, rows in rows_by_name.items()
+            if name in params and params[name].numel() > 0
+        }

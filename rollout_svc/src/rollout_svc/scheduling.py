@@ -1,0 +1,77 @@
+"""What to claim next: requests for the weights already loaded first, with aging.
+
+A weight change costs a reload (seconds) or a rebuild (tens of seconds), so a worker serves
+what it can with the weights it holds before switching. To keep that from starving anyone, a
+request waiting longer than `max_wait_s` is served next whatever its weights. Requests that
+cannot be served at all (unreadable, expired) are claimed first: answering them is cheap.
+
+The pick reads request files before claiming them. That is safe: files in requests/ are
+complete by contract, and the authoritative read happens again after the claim.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from protocol.fsio import read_regular_file
+from protocol.messages import MessageError, Request, decode_request
+from protocol.spool import MAX_REQUEST_BYTES, Entry, Spool, id_from_name
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_requests: int = 64  # requests claimed per batch
+    max_sequences: int = 4096  # completions (prompts x samples) per engine call
+    max_wait_s: float = 60.0  # a request older than this is served next, whatever its weights
+
+
+def weights_key(request: Request) -> tuple[str, str | None]:
+    """Requests with equal keys share one engine call (vLLM takes per-prompt sampling settings)."""
+    return (request.weights_dir, request.weights_content_id)
+
+
+class Scheduler:
+    def __init__(self, spool: Spool, limits: Limits = Limits()):
+        self.spool = spool
+        self.limits = limits
+        self._peeked: dict[tuple[str, float, int], Request | None] = {}
+
+    def pick(self, entries: list[Entry], loaded_weights_dir: str | None, now: float | None = None) -> list[Entry]:
+        """Entries to claim now, from `entries` (oldest first, as Spool.pending returns)."""
+        now = time.time() if now is None else now
+        peeked = [(entry, self._peek(entry)) for entry in entries]
+        self._peeked = {(e.name, e.mtime, e.size): r for e, r in peeked}  # forget entries gone
+        answer_now = [e for e, r in peeked if r is None or (r.deadline is not None and r.deadline < now)]
+        if answer_now:
+            return answer_now[: self.limits.max_requests]
+        oldest_entry, oldest = peeked[0]
+        target = weights_key(oldest)
+        if loaded_weights_dir is not None and now - oldest_entry.mtime < self.limits.max_wait_s:
+            for _, request in peeked:
+                if request.weights_dir == loaded_weights_dir:
+                    target = weights_key(request)
+                    break
+        batch, sequences = [], 0
+        for entry, request in peeked:
+            if weights_key(request) != target:
+                continue
+            if batch and (len(batch) >= self.limits.max_requests or sequences + request.num_sequences > self.limits.max_sequences):
+                break
+            batch.append(entry)
+            sequences += request.num_sequences
+        return batch
+
+    def _peek(self, entry: Entry) -> Request | None:
+        """The request an entry holds, or None when it cannot be accepted as it is."""
+        key = (entry.name, entry.mtime, entry.size)
+        if key in self._peeked:
+            return self._peeked[key]
+        request = None
+        if id_from_name(entry.name) is not None and 0 < entry.size <= MAX_REQUEST_BYTES:
+            try:
+                request = decode_request(read_regular_file(entry.path, MAX_REQUEST_BYTES))
+            except (OSError, ValueError, MessageError):  # symlinks and directories included
+                request = None
+        self._peeked[key] = request
+        return request

@@ -1,0 +1,172 @@
+"""Weights directories: validation, content ids, and the decision to reload or rebuild.
+
+A weights directory is an HF-format model: config.json, one or more .safetensors shards (with
+model.safetensors.index.json when sharded) and tokenizer files. Only safetensors are loaded:
+pickle-based formats (.bin, .pt) are refused, never opened.
+
+Content id: the trainer writes `manifest.json` with a `content_id` next to the weights; without
+one, the id is a hash of config.json and of each shard's name, size, inode and mtime, which
+changes whenever a shard is rewritten, so the same path with new content is still noticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.messages import ErrorCode
+
+from .engines.base import RequestFailed
+
+# config.json keys that fix the shapes of the engine's tensors: a change needs a new engine.
+ARCHITECTURE_KEYS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A validated weights directory."""
+
+    path: str  # as the request named it
+    real_path: str  # symlinks resolved
+    content_id: str
+    config: dict
+    shards: tuple[str, ...]  # safetensors file names
+
+    @property
+    def architecture(self) -> dict:
+        return {k: self.config.get(k) for k in ARCHITECTURE_KEYS}
+
+
+def _fail(code: ErrorCode, message: str) -> RequestFailed:
+    return RequestFailed(code, message)
+
+
+class WeightsPolicy:
+    """Where weights may come from. With no roots, any readable directory is allowed."""
+
+    def __init__(self, allowed_roots: list[str] | None = None):
+        self.allowed_roots = [os.path.realpath(r) for r in (allowed_roots or [])]
+
+    def check_allowed(self, weights_dir: str) -> str:
+        real = os.path.realpath(weights_dir)
+        if self.allowed_roots and not any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.allowed_roots):
+            raise _fail(
+                ErrorCode.WEIGHTS_NOT_ALLOWED,
+                f"weights_dir {weights_dir} (resolved: {real}) is outside the allowed roots "
+                f"{', '.join(self.allowed_roots)}; move the checkpoint under one of them or start "
+                "the worker with another --allowed-root",
+            )
+        return real
+
+    def inspect(self, weights_dir: str) -> Weights:
+        """Validate a weights directory without loading tensors. Raises RequestFailed."""
+        real = self.check_allowed(weights_dir)
+        if not os.path.isdir(real):
+            raise _fail(ErrorCode.WEIGHTS_NOT_FOUND, f"weights_dir {weights_dir} does not exist or is not a directory")
+        config = _read_config(real, weights_dir)
+        shards = _shards(real, weights_dir)
+        for shard in shards:
+            _check_safetensors_header(Path(real) / shard, weights_dir)
+        return Weights(weights_dir, real, content_id(real, shards), config, tuple(shards))
+
+
+def _read_config(real: str, shown: str) -> dict:
+    path = os.path.join(real, "config.json")
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read())
+    except FileNotFoundError:
+        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown} has no config.json; save the model with save_pretrained") from None
+    except (OSError, ValueError) as exc:
+        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/config.json is unreadable: {exc}") from None
+    if not isinstance(config, dict):
+        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/config.json is not a JSON object")
+    return config
+
+
+def _shards(real: str, shown: str) -> list[str]:
+    names = sorted(os.listdir(real))
+    index = os.path.join(real, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, "rb") as f:
+                wanted = sorted(set(json.loads(f.read())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/model.safetensors.index.json is unreadable: {exc}") from None
+        missing = [s for s in wanted if s not in names]
+        if missing:
+            raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown} lacks shards named in its index: {', '.join(missing[:5])}")
+        return wanted
+    shards = [n for n in names if n.endswith(".safetensors")]
+    if not shards:
+        pickled = [n for n in names if n.endswith(_PICKLE_SUFFIXES)]
+        hint = (
+            f" It holds {', '.join(pickled[:3])}: pickle formats are never loaded; convert them with "
+            "save_pretrained(..., safe_serialization=True)." if pickled else ""
+        )
+        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown} has no .safetensors weights.{hint}")
+    return shards
+
+
+def _check_safetensors_header(path: Path, shown: str) -> None:
+    """A shard is corrupt when its header is unreadable or its tensors run past the end of
+    the file (a truncated copy). Reads only the header, not the tensors."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size or header_len > 100 * 2**20:
+                raise ValueError("header length out of range")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + header_len + end > size:
+            raise ValueError(f"tensors need {8 + header_len + end} bytes, the file has {size}")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/{path.name} is not a valid safetensors file ({exc}); copy it again") from None
+
+
+def content_id(real: str, shards: list[str] | tuple[str, ...]) -> str:
+    manifest = os.path.join(real, "manifest.json")
+    try:
+        with open(manifest, "rb") as f:
+            declared = json.loads(f.read()).get("content_id")
+        if isinstance(declared, str) and declared:
+            return declared
+    except (OSError, ValueError, AttributeError):
+        pass
+    digest = hashlib.sha256()
+    with open(os.path.join(real, "config.json"), "rb") as f:
+        digest.update(f.read())
+    for shard in shards:
+        st = os.stat(os.path.join(real, shard))
+        digest.update(f"{shard}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}".encode())
+    return "stat-" + digest.hexdigest()[:16]
+
+
+def check_tokenizer_fits(weights: Weights, tokenizer_size: int) -> None:
+    """The tokenizer must not produce ids beyond the model's embedding table."""
+    vocab = weights.config.get("vocab_size")
+    if isinstance(vocab, int) and tokenizer_size > vocab:
+        raise _fail(
+            ErrorCode.WEIGHTS_INVALID,
+            f"{weights.path}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+            f"{vocab}; ids past {vocab - 1} cannot be served. Save the tokenizer that belongs to these weights",
+        )
