@@ -7,6 +7,7 @@
     spoolctl recover -s /srv/spool         give dead workers' claims back now
     spoolctl prune  -s /srv/spool --older-than 7d
     spoolctl init   /srv/spool             create the layout
+    spoolctl eval   -s /srv/spool prompts.jsonl --weights DIR --out out.jsonl
 """
 
 from __future__ import annotations
@@ -211,6 +212,43 @@ def stats(spool_dir: SpoolOpt, as_json: JsonOpt = False) -> None:
     ]
     columns = ["worker", "", "state", "request", "beat", "host:pid", "device", "ok", "failed", "last error"]
     _table(f"workers ({report['live_workers']} live)", columns, rows)
+
+
+@app.command("eval")
+def evaluate(
+    spool_dir: SpoolOpt,
+    prompts: Annotated[Path, typer.Argument(help="JSONL: {'prompt': ...} rows, or GSM8K rows with 'question' and 'answer' ('#### N').")],
+    weights: Annotated[Path, typer.Option(help="Weights directory to evaluate (absolute, readable by the workers).")],
+    out: Annotated[Path, typer.Option(help="Where to write completions (JSONL).")],
+    max_tokens: Annotated[int, typer.Option(help="Tokens per completion.")] = 256,
+    n_samples: Annotated[int, typer.Option(help="Completions per prompt.")] = 1,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    template: Annotated[str, typer.Option(help="Prompt built from a GSM8K row's question.")] = "{question}",
+    prompts_per_request: Annotated[int, typer.Option(help="Prompts per spool request.")] = 64,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for all results.")] = 3600.0,
+) -> None:
+    """Run an eval through the rollout workers serving SPOOL; prints accuracy for GSM8K rows."""
+    from .client import SpoolClient, WaitError
+    from .evaluation import RowError, read_rows, run_eval, write_rows
+
+    try:
+        rows = read_rows(prompts, template)
+    except (RowError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    spool = _open(spool_dir)
+    try:
+        with SpoolClient(spool.root, create=False) as client:
+            report = run_eval(
+                client, rows, weights_dir=str(weights.absolute()), max_tokens=max_tokens, n_samples=n_samples,
+                temperature=temperature, prompts_per_request=prompts_per_request, timeout_s=timeout,
+            )
+    except (WaitError, RuntimeError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    write_rows(out, report.rows)
+    accuracy = "" if report.accuracy is None else f", accuracy {report.accuracy:.3f}"
+    typer.echo(f"{len(rows)} prompts in {report.seconds:.1f} s{accuracy}; completions in {out}")
 
 
 def main() -> None:

@@ -163,6 +163,7 @@ class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     current_request: str | None = None  # id being served, if any
     weights_dir: str | None = None  # weights loaded in the engine
     weights_content_id: str | None = None
+    engine_build_s: float | None = None  # seconds the last engine build took (a reload avoids it)
     counters: WorkerCounters = msgspec.field(default_factory=WorkerCounters)
     last_error: str | None = None  # the newest error message, for operators
     schema: int = SCHEMA_VERSION

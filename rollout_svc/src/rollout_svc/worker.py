@@ -284,6 +284,7 @@ class Worker:
             current_request=current,
             weights_dir=self.engine.weights_dir,
             weights_content_id=self.engine.weights_content_id,
+            engine_build_s=getattr(self.engine, "build_s", None) or None,
         )
         self.notifier.status(self._describe())
 

@@ -1,0 +1,213 @@
+"""One real vLLM worker (CPU build) on tiny models, through the real spool.
+
+Generation, logprobs against transformers, in-place reload, rebuild on an architecture change,
+bad weights, bad prompts, the metrics textfile, and (last) SIGTERM while generating.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+
+import pytest
+
+from conftest import ENGINE_START_TIMEOUT_S, start_worker, stop_worker, wait_for_status
+from protocol.messages import ErrorCode, Request
+from protocol.spool import Spool
+
+pytestmark = pytest.mark.timeout(900)
+
+WORKER = "e2e-vllm"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def worker(models, tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm-worker")
+    spool = Spool(base / "spool", create=True)
+    proc = start_worker(
+        spool.root, WORKER,
+        "--engine", "vllm", "--allowed-root", str(models["root"]), "--weights", str(models["a"]),
+        "--max-model-len", str(MAX_MODEL_LEN), "--idle-exit", "1800", "--metrics-dir", str(base / "metrics"),
+        log_dir=base,
+    )
+    status = wait_for_status(spool, WORKER, lambda s: s.state == "idle" and s.weights_dir, ENGINE_START_TIMEOUT_S, proc)
+    yield {"spool": spool, "proc": proc, "base": base, "build_s": status.engine_build_s}
+    stop_worker(proc)
+
+
+_ids = iter(range(10**6))
+
+
+def ask(client, weights_dir, prompts=("12+7=", "Hello"), **fields):
+    fields = dict(n_samples_per_prompt=1, max_tokens=12, temperature=0.0) | fields
+    request = Request(request_id=f"t{next(_ids)}-{time.time_ns()}", weights_dir=str(weights_dir), prompts=list(prompts), **fields)
+    client.submit(request)
+    return client.wait([request.request_id], timeout_s=600)[request.request_id]
+
+
+def test_generation_shapes_ids_texts_and_logprobs(worker, models, client_for, reference):
+    client = client_for(worker["spool"].root)
+    prompts = ["12+7=", "Hello", "The answer is"]
+    result = ask(client, models["a"], prompts, n_samples_per_prompt=4, max_tokens=10, temperature=1.0, seed=7)
+    assert result.ok, result.error
+    tokenizer = reference.tokenizer(models["a"])
+    assert [len(t) for t in result.texts] == [4, 4, 4]
+    assert result.prompt_token_ids == [tokenizer(p)["input_ids"] for p in prompts]
+    for texts, ids, logprobs, reasons in zip(result.texts, result.token_ids, result.logprobs, result.finish_reasons):
+        for text, sample_ids, sample_logprobs, reason in zip(texts, ids, logprobs, reasons):
+            assert 1 <= len(sample_ids) <= 10 and len(sample_logprobs) == len(sample_ids)
+            assert tokenizer.decode(sample_ids, skip_special_tokens=True) == text
+            assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample_logprobs)
+            assert reason in ("stop", "length") and (reason == "length") == (len(sample_ids) == 10 and sample_ids[-1] != tokenizer.eos_token_id)
+    assert result.weights_dir == str(models["a"]) and result.weights_content_id and result.engine.startswith("vllm")
+    assert result.timings.generate_s > 0
+
+
+def test_prompts_as_token_ids_give_the_same_greedy_output(worker, models, client_for):
+    client = client_for(worker["spool"].root)
+    by_text = ask(client, models["a"], ["12+7="])
+    by_ids = ask(client, models["a"], prompts=(), prompt_token_ids=by_text.prompt_token_ids)
+    assert by_ids.ok and by_ids.token_ids == by_text.token_ids
+
+
+def test_sampling_logprobs_agree_with_transformers(worker, models, client_for, reference):
+    client = client_for(worker["spool"].root)
+    temperature = 0.8
+    result = ask(client, models["a"], ["12+7=", "Hello", "abc"], n_samples_per_prompt=4, max_tokens=16, temperature=temperature, seed=3)
+    assert result.ok
+    diffs = []
+    for prompt_ids, samples, logprobs in zip(result.prompt_token_ids, result.token_ids, result.logprobs):
+        for sample_ids, sample_logprobs in zip(samples, logprobs):
+            expected = reference.token_logprobs(models["a"], prompt_ids, sample_ids, temperature)
+            diffs += [abs(a - b) for a, b in zip(sample_logprobs, expected)]
+    print(f"\nlogprob |vLLM - transformers| over {len(diffs)} tokens: max {max(diffs):.2e}, mean {sum(diffs) / len(diffs):.2e}")
+    assert max(diffs) < 1e-3
+
+
+def test_reload_in_place_serves_the_new_weights(worker, models, client_for, reference):
+    client = client_for(worker["spool"].root)
+    prompt = "12+7="
+    before = ask(client, models["a"], [prompt], max_tokens=12)
+    after = ask(client, models["b"], [prompt], max_tokens=12)
+    prompt_ids = after.prompt_token_ids[0]
+    assert after.token_ids[0][0] == reference.greedy(models["b"], prompt_ids, 12)
+    assert before.token_ids[0][0] == reference.greedy(models["a"], prompt_ids, 12)
+    assert after.token_ids[0][0] != before.token_ids[0][0]
+    assert after.weights_dir == str(models["b"]) and after.weights_content_id != before.weights_content_id
+    # A reload, not a new engine: a small fraction of what building the engine took.
+    assert 0 < after.timings.reload_s < worker["build_s"] / 20
+    back = ask(client, models["a"], [prompt], max_tokens=12)
+    assert back.token_ids == before.token_ids and back.timings.reload_s > 0
+
+
+def test_same_path_with_new_content_is_reloaded(worker, models, client_for, reference, tmp_path):
+    client = client_for(worker["spool"].root)
+    moving = models["root"] / "moving"
+    shutil.copytree(models["a"], moving)
+    first = ask(client, moving, ["Hello"], max_tokens=10)
+    # Replace the shard the way a careful writer does: a new file renamed over the old one.
+    shutil.copy(models["b"] / "model.safetensors", moving / "model.safetensors.new")
+    os.replace(moving / "model.safetensors.new", moving / "model.safetensors")
+    second = ask(client, moving, ["Hello"], max_tokens=10)
+    assert second.weights_content_id != first.weights_content_id
+    assert second.token_ids[0][0] == reference.greedy(models["b"], second.prompt_token_ids[0], 10)
+    assert second.timings.reload_s > 0
+
+
+def test_architecture_change_rebuilds_the_engine(worker, models, client_for, reference):
+    client = client_for(worker["spool"].root)
+    result = ask(client, models["wide"], ["12+7="], max_tokens=10)
+    assert result.ok, result.error
+    assert result.token_ids[0][0] == reference.greedy(models["wide"], result.prompt_token_ids[0], 10)
+    # A rebuild costs about a build, far more than an in-place reload.
+    assert result.timings.reload_s > worker["build_s"] / 5
+    again = ask(client, models["a"], ["12+7="], max_tokens=10)  # and back, rebuilding again
+    assert again.ok and again.token_ids[0][0] == reference.greedy(models["a"], again.prompt_token_ids[0], 10)
+
+
+def bad_weights(models, tmp_path) -> dict[str, tuple[str, ErrorCode, str]]:
+    """name -> (weights_dir, expected code, a phrase the message must contain)."""
+    root = models["root"]
+    cases = {}
+    outside = tmp_path / "outside"
+    shutil.copytree(models["a"], outside)
+    cases["outside"] = (outside, ErrorCode.WEIGHTS_NOT_ALLOWED, "allowed roots")
+    cases["missing"] = (root / "does-not-exist", ErrorCode.WEIGHTS_NOT_FOUND, "does not exist")
+    no_weights = root / "no-weights"
+    no_weights.mkdir(exist_ok=True)
+    shutil.copy(models["a"] / "config.json", no_weights)
+    cases["no_weights"] = (no_weights, ErrorCode.WEIGHTS_INVALID, "no .safetensors")
+    no_config = root / "no-config"
+    shutil.copytree(models["a"], no_config, dirs_exist_ok=True)
+    (no_config / "config.json").unlink()
+    cases["no_config"] = (no_config, ErrorCode.WEIGHTS_INVALID, "config.json")
+    truncated = root / "truncated"
+    shutil.copytree(models["a"], truncated, dirs_exist_ok=True)
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(truncated / "model.safetensors") // 2)
+    cases["corrupt_shard"] = (truncated, ErrorCode.WEIGHTS_INVALID, "not a valid safetensors")
+    pickled = root / "pickled"
+    pickled.mkdir(exist_ok=True)
+    shutil.copy(models["a"] / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04 never unpickled")
+    cases["pickle_only"] = (pickled, ErrorCode.WEIGHTS_INVALID, "pickle formats are never loaded")
+    small_vocab = root / "small-vocab"
+    shutil.copytree(models["a"], small_vocab, dirs_exist_ok=True)
+    config = (small_vocab / "config.json").read_text().replace('"vocab_size": 128', '"vocab_size": 64')
+    (small_vocab / "config.json").write_text(config)
+    cases["vocab_too_small"] = (small_vocab, ErrorCode.WEIGHTS_INVALID, "vocab_size")
+    return cases
+
+
+def test_bad_weights_get_error_results_and_the_worker_keeps_serving(worker, models, client_for, tmp_path):
+    client = client_for(worker["spool"].root)
+    for name, (weights_dir, code, phrase) in bad_weights(models, tmp_path).items():
+        result = ask(client, weights_dir)
+        assert not result.ok and result.error.code == code, (name, result.error)
+        assert phrase in result.error.message, (name, result.error.message)
+    assert ask(client, models["a"]).ok
+    status = wait_for_status(worker["spool"], WORKER, lambda s: True, 5)
+    assert status.last_error and worker["proc"].poll() is None
+
+
+def test_a_prompt_too_long_fails_alone(worker, models, client_for):
+    client = client_for(worker["spool"].root)
+    long_request = Request(request_id=f"long-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["x" * 300], n_samples_per_prompt=1, max_tokens=8, temperature=0.0)
+    fine_request = Request(request_id=f"fine-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="], n_samples_per_prompt=2, max_tokens=8, temperature=1.0)
+    client.submit_many([long_request, fine_request])  # one engine call, then each alone
+    results = client.wait([long_request.request_id, fine_request.request_id], timeout_s=600)
+    long_result, fine_result = results[long_request.request_id], results[fine_request.request_id]
+    assert long_result.error.code == ErrorCode.PROMPT_TOO_LONG and f"limit of {MAX_MODEL_LEN}" in long_result.error.message
+    assert fine_result.ok and len(fine_result.texts[0]) == 2
+
+
+def test_expected_content_id_guards_against_a_replaced_directory(worker, models, client_for):
+    client = client_for(worker["spool"].root)
+    result = ask(client, models["a"], weights_content_id="some-other-checkpoint")
+    assert result.error.code == ErrorCode.WEIGHTS_INVALID and "content id" in result.error.message
+
+
+def test_metrics_textfile_counts_requests_and_errors(worker):
+    text = (worker["base"] / "metrics" / f"rollout_svc_{WORKER}.prom").read_text()
+    assert 'rollout_requests_total{outcome="ok",worker="e2e-vllm"}' in text
+    assert 'rollout_errors_total{code="weights_invalid",worker="e2e-vllm"}' in text
+    assert "rollout_reload_seconds" in text and "rollout_queue_depth" in text
+
+
+def test_sigterm_while_generating_loses_nothing(worker, models, client_for):
+    """Last in this module: it stops the shared worker."""
+    spool, proc = worker["spool"], worker["proc"]
+    client = client_for(spool.root)
+    request = Request(request_id=f"slow-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="] * 32, n_samples_per_prompt=8, max_tokens=200, temperature=1.0, seed=1)
+    client.submit(request)
+    wait_for_status(spool, WORKER, lambda s: s.state == "generating" and s.current_request == request.request_id, 120, proc)
+    assert stop_worker(proc) == 0
+    result = spool.read_result(request.request_id)
+    if result is not None:  # finished within the stop grace
+        assert result.ok and len(result.texts) == 32
+    else:  # or given back, whole, for another worker
+        assert (spool.requests / f"{request.request_id}.json").exists()
+    assert os.listdir(spool.claimed) == [] and not (spool.workers / f"{WORKER}.json").exists()
