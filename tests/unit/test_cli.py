@@ -129,20 +129,13 @@ def test_requeue_of_a_queued_or_unknown_request_is_refused(spool):
 
 
 def test_prune_removes_only_old_entries(spool):
-    old, young = spool.done / "old.request.json", spool.done / "young.request.json"
-    old.write_text("{}")
-    young.write_text("{}")
-    past = time.time() - 3 * 86400
-    os.utime(old, (past, past))
-    # ctime cannot be set back; the prune reads max(ctime, mtime), so age the spool clock instead
-    from protocol import spool as spool_module
-
-    removed = spool.prune(done_older_than_s=2 * 86400, now=time.time() + 0)
-    assert removed["done"] == 0  # ctime of both is now: neither is old
-    removed = spool.prune(done_older_than_s=2 * 86400, now=time.time() + 3 * 86400 - 60)
-    assert removed == {"done": 2, "tmp": 0} and spool_module  # both moved in at about the same time
-    result = invoke(spool, "prune", "--older-than", "7d")
-    assert result.exit_code == 0 and "removed 0 from done/" in result.output
+    (spool.done / "a.request.json").write_text("{}")
+    (spool.tmp / "leftover.tmp").write_text("")
+    result = invoke(spool, "prune", "--older-than", "1d")
+    assert result.exit_code == 0 and "removed 0 from done/, 0 from tmp/" in result.output
+    two_days_later = time.time() + 2 * 86400
+    assert spool.prune(done_older_than_s=86400, now=two_days_later) == {"done": 1, "tmp": 1}
+    assert os.listdir(spool.done) == [] and os.listdir(spool.tmp) == []
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("7d", 604800), ("1.5h", 5400)])

@@ -113,6 +113,13 @@ class SpoolClient:
             if not pending:
                 return results
             waiting = sorted(pending)
+            if now >= deadline and not self.spool.live_workers():
+                raise NoLiveWorker(
+                    f"{len(pending)} results missing after {timeout_s:.0f} s and no live rollout worker "
+                    f"serves {self.spool.root}: {self.describe(waiting)}. Start one with "
+                    f"`rollout-svc serve --spool {self.spool.root}` or `systemctl start rollout-svc@0`.",
+                    waiting,
+                )
             if now >= deadline:
                 raise ResultTimeout(
                     f"{len(pending)} of {len(set(request_ids))} results missing after {timeout_s:.0f} s "
@@ -143,7 +150,7 @@ class SpoolClient:
         claimed = {}
         for entry in self.spool.entries("claimed"):
             original, worker_id = split_claimed_name(entry.name)
-            claimed[original[: -len(".json")]] = worker_id
+            claimed[original.removesuffix(".json")] = worker_id
         parts = []
         for request_id in request_ids[:limit]:
             if request_id in claimed:

@@ -17,7 +17,8 @@ FILE_MODE = 0o664  # group-writable, so one spool can be shared by a service gro
 
 def scratch_name(stem: str) -> str:
     """A scratch file name no other writer, in this process or another, will pick."""
-    return f"{stem}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    # The stem is cut so that the name stays well under the 255-byte file-name limit.
+    return f"{stem[:120]}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
 
 
 def write_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:

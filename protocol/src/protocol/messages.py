@@ -19,11 +19,16 @@ import msgspec
 SCHEMA_VERSION = 1
 
 # Ids name files, so they are restricted to a portable file-name alphabet. '@' is reserved: the
-# spool uses it to join a request id and a worker id in `claimed/`.
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# spool uses it to join a request id and a worker id in `claimed/`, and the two lengths keep
+# that name under the usual 255-byte limit. `\Z`, not `$`: `$` also matches before a final
+# newline.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
+WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z"
 _ID_RE = re.compile(ID_PATTERN)
+_WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
 
 Id = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
+WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
 Prompt = Annotated[str, msgspec.Meta(max_length=1_000_000)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -31,8 +36,12 @@ UnitInterval = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
 def is_valid_id(text: str) -> bool:
-    """True when `text` may be used as a request or worker id (and so as a file name)."""
-    return _ID_RE.fullmatch(text) is not None
+    """True when `text` may be used as a request id (and so as a file name)."""
+    return _ID_RE.match(text) is not None
+
+
+def is_valid_worker_id(text: str) -> bool:
+    return _WORKER_ID_RE.match(text) is not None
 
 
 class ErrorCode(str, enum.Enum):
@@ -44,6 +53,7 @@ class ErrorCode(str, enum.Enum):
     ID_MISMATCH = "id_mismatch"  # `request_id` differs from the file name
     TOO_LARGE = "too_large"  # file bigger than the worker accepts
     NOT_A_FILE = "not_a_file"  # a symlink, directory or other non-regular entry in requests/
+    UNREADABLE = "unreadable"  # the worker may not read the file (permissions)
     DEADLINE_EXPIRED = "deadline_expired"  # `deadline` passed before the work started
     WEIGHTS_NOT_FOUND = "weights_not_found"  # weights_dir missing or not a directory
     WEIGHTS_INVALID = "weights_invalid"  # weights_dir lacks config or safetensors, or is corrupt
@@ -151,7 +161,7 @@ class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     its claims are put back in `requests/`.
     """
 
-    worker_id: Id
+    worker_id: WorkerId
     pid: int
     host: str
     device: str  # "cpu", "cuda:0"...
@@ -209,6 +219,8 @@ def _decode(data: bytes, decoder: msgspec.json.Decoder, what: str):
         raise MessageError(
             ErrorCode.BAD_JSON, f"{what} is not a complete JSON object ({exc}); rewrite the whole file"
         ) from None
+    except RecursionError:
+        raise MessageError(ErrorCode.BAD_JSON, f"{what} is nested too deeply to be a request") from None
     if version != SCHEMA_VERSION:
         raise MessageError(
             ErrorCode.UNSUPPORTED_SCHEMA,
@@ -221,6 +233,16 @@ def _decode(data: bytes, decoder: msgspec.json.Decoder, what: str):
         raise MessageError(ErrorCode.INVALID_REQUEST, f"{what}: {exc}") from None
     except msgspec.DecodeError as exc:  # valid envelope but broken further on
         raise MessageError(ErrorCode.BAD_JSON, f"{what} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise MessageError(ErrorCode.BAD_JSON, f"{what} is nested too deeply to be a request") from None
+
+
+def validate(message: msgspec.Struct) -> None:
+    """Check a message built in Python as a reader will: msgspec checks constraints on decode
+    only, so a Request(max_tokens=0) built in code is caught here, before it is published."""
+    data = _encoder.encode(message)
+    decoder = {Request: _request_decoder, Result: _result_decoder, WorkerStatus: _status_decoder}[type(message)]
+    _decode(data, decoder, type(message).__name__.lower())
 
 
 def decode_request(data: bytes) -> Request:

@@ -46,6 +46,7 @@ from .messages import (
     decode_result,
     decode_status,
     encode,
+    validate,
     encode_pretty,
     is_valid_id,
 )
@@ -53,6 +54,7 @@ from .messages import (
 STATES = ("tmp", "requests", "claimed", "results", "done", "bad", "workers")
 MAX_REQUEST_BYTES = 64 * 2**20  # a request larger than this is refused with `too_large`
 DEFAULT_LEASE_S = 30.0
+_NAME_MAX = 255  # bytes in one file name on Linux filesystems
 _RESULT_SUFFIX = ".result.json"
 _REQUEST_SUFFIX = ".request.json"
 
@@ -63,6 +65,10 @@ class SpoolError(RuntimeError):
 
 class RequestExists(SpoolError):
     """A request with this id is already in the spool."""
+
+
+class ClaimLost(RuntimeError):
+    """A claim vanished (recovered or requeued by someone else) before the worker read it."""
 
 
 @dataclass(frozen=True)
@@ -169,26 +175,39 @@ class Spool:
         return self.submit_many([request])[0]
 
     def submit_many(self, requests: list[Request]) -> list[Path]:
-        """Publish several requests with one directory fsync (group commit)."""
+        """Publish several requests with one directory fsync (group commit).
+
+        Every request is validated first (raises MessageError) and every id checked (raises
+        RequestExists), so a bad batch publishes nothing."""
+        ids = [r.request_id for r in requests]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise RequestExists(f"request ids {repeated} appear more than once in this batch")
         for request in requests:
-            if self.locate(request.request_id):
+            validate(request)
+            found = self.locate(request.request_id)
+            if found:
                 raise RequestExists(
                     f"request id {request.request_id!r} is already used in {self.root} "
-                    f"({', '.join(str(p) for p in self.locate(request.request_id))}); "
-                    "pick a new id"
+                    f"({', '.join(str(p) for p in found)}); pick a new id"
                 )
         scratch_paths = []
-        for request in requests:
-            scratch = self.tmp / fsio.scratch_name(request.request_id)
-            fsio.write_synced(scratch, encode_pretty(request))
-            scratch_paths.append(scratch)
-        finals = []
-        for request, scratch in zip(requests, scratch_paths):
-            final = self.requests / f"{request.request_id}.json"
-            if not fsio.link_no_replace(scratch, final):
-                raise RequestExists(f"request id {request.request_id!r} was submitted concurrently")
-            finals.append(final)
-        fsio.fsync_dir(self.requests)
+        try:
+            for request in requests:
+                scratch = self.tmp / fsio.scratch_name(request.request_id)
+                fsio.write_synced(scratch, encode_pretty(request))
+                scratch_paths.append(scratch)
+            finals = []
+            for request, scratch in zip(requests, scratch_paths):
+                final = self.requests / f"{request.request_id}.json"
+                if not fsio.link_no_replace(scratch, final):
+                    raise RequestExists(f"request id {request.request_id!r} was submitted concurrently")
+                finals.append(final)
+        finally:
+            for scratch in scratch_paths:  # link_no_replace removed those it reached
+                if os.path.lexists(scratch):
+                    os.unlink(scratch)
+            fsio.fsync_dir(self.requests)
         return finals
 
     def read_result(self, request_id: str) -> Result | None:
@@ -235,13 +254,26 @@ class Spool:
         return entries
 
     def claim(self, entry: Entry, worker_id: str) -> Claim | None:
-        """Move `entry` into claimed/ for `worker_id`. None when another worker got it first."""
+        """Move `entry` into claimed/ for `worker_id`. None when another worker got it first,
+        or when the name is too long to claim (such an entry goes straight to bad/)."""
         target = self.claimed / claimed_name(entry.name, worker_id)
+        if len(os.fsencode(target.name)) > _NAME_MAX:
+            self._reject_unclaimable(entry)
+            return None
         try:
             os.rename(entry.path, target)
         except FileNotFoundError:
             return None
         return Claim(entry.name, target, worker_id, entry.mtime)
+
+    def _reject_unclaimable(self, entry: Entry) -> None:
+        # Only names that are not `<valid id>.json` get here (valid ids are short enough),
+        # so there is no result to write: a note in bad/ says why.
+        try:
+            os.rename(entry.path, self._free_name(self.bad, entry.name))
+        except FileNotFoundError:
+            return
+        self._note_in_bad(entry.name, ErrorCode.INVALID_REQUEST, f"file name {entry.name!r} is too long; name request files <request_id>.json")
 
     def load(self, claim: Claim, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
         """Read and validate a claimed request. Raises MessageError, never anything else."""
@@ -252,7 +284,10 @@ class Spool:
                 f"file name {claim.name!r} is not <request_id>.json with an id matching "
                 "[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
             )
-        st = os.lstat(claim.path)
+        try:
+            st = os.lstat(claim.path)
+        except FileNotFoundError:
+            raise ClaimLost(f"{claim.name} was taken back before it could be read") from None
         if not stat.S_ISREG(st.st_mode):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
             raise MessageError(
@@ -269,10 +304,16 @@ class Spool:
             data = fsio.read_regular_file(claim.path, max_bytes)
         except ValueError:
             raise MessageError(ErrorCode.TOO_LARGE, f"requests/{claim.name} grew past {max_bytes} bytes") from None
+        except FileNotFoundError:
+            raise ClaimLost(f"{claim.name} was taken back before it could be read") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise MessageError(ErrorCode.NOT_A_FILE, f"requests/{claim.name} is a symlink") from None
-            raise
+            raise MessageError(
+                ErrorCode.UNREADABLE,
+                f"requests/{claim.name} cannot be read by the worker ({exc.strerror}); "
+                "make it readable by the service group (write it with the spool's umask)",
+            ) from None
         request = decode_request(data)
         if request.request_id != request_id:
             raise MessageError(
@@ -315,10 +356,14 @@ class Spool:
             )
             published = self.publish_results([result])[0]
         else:
-            note = self.bad / f"{claim.name}.error.txt"
-            fsio.publish(self.tmp, note, f"{error.code.value}: {error.message}\n".encode(), replace=True)
+            self._note_in_bad(claim.name, error.code, error.message)
         self._move_claim(claim, self._free_name(self.bad, claim.name))
         return published
+
+    def _note_in_bad(self, name: str, code: ErrorCode, message: str) -> None:
+        """bad/<name>.error.txt: why an entry without a valid id was refused."""
+        note = self.bad / f"{name[:200]}.error.txt"
+        fsio.publish(self.tmp, note, f"{code.value}: {message}\n".encode(), replace=True)
 
     def release(self, claim: Claim) -> None:
         """Give a claim back to requests/ unserved (shutdown, or the worker cannot serve it)."""

@@ -59,7 +59,7 @@ def serve(
 ) -> None:
     """Serve requests from SPOOL until SIGTERM or --idle-exit seconds without work."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from protocol.messages import is_valid_id
+    from protocol.messages import is_valid_worker_id
     from protocol.spool import Spool, SpoolError
 
     from .engines import ENGINES, make_engine
@@ -70,8 +70,8 @@ def serve(
     from .worker import Worker, WorkerConfig
 
     worker_id = worker_id or _default_worker_id()
-    if not is_valid_id(worker_id):
-        raise typer.BadParameter(f"{worker_id!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}", param_hint="--worker-id")
+    if not is_valid_worker_id(worker_id):
+        raise typer.BadParameter(f"{worker_id!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}", param_hint="--worker-id")
     if heartbeat * 3 > lease:
         raise typer.BadParameter(f"--heartbeat {heartbeat} must be at most a third of --lease {lease}", param_hint="--heartbeat")
     if engine not in ENGINES:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol.messages import ErrorCode, MessageError, Request, Result, Timings
-from protocol.spool import Claim, Spool, split_claimed_name
+from protocol.spool import Claim, ClaimLost, Spool, split_claimed_name
 from protocol.watch import Waker
 
 from .engines import Completion, Engine, RequestFailed
@@ -208,6 +208,10 @@ class Worker:
         claimed_at = time.time()
         try:
             request = self.spool.load(claim)
+        except ClaimLost as exc:
+            log.warning("%s", exc)
+            self.heartbeat.count(requests_abandoned=1)
+            return None
         except MessageError as exc:
             log.warning("rejected %s: %s", claim.name, exc.message)
             self.spool.reject(claim, exc, self.config.worker_id)

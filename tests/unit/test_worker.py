@@ -1,0 +1,391 @@
+"""The worker loop with the echo engine and test doubles of it: serving, batching, failures,
+deadlines, duplicates, exits, heartbeat loss and claims taken back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from protocol.messages import ErrorCode, Request, Result, WorkerStatus, decode_status, encode
+from protocol.spool import Spool
+from rollout_svc.engines import RequestFailed
+from rollout_svc.engines.echo import EchoEngine
+from rollout_svc.scheduling import Limits
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class RecordingEngine(EchoEngine):
+    """The echo engine, remembering the request ids of each call."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.closed = False
+
+    def generate(self, requests: list[Request]):
+        self.calls.append([r.request_id for r in requests])
+        return super().generate(requests)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FailingEngine(RecordingEngine):
+    """Fails every call that holds a prompt it cannot serve."""
+
+    def __init__(self, exception_for):
+        super().__init__()
+        self.exception_for = exception_for  # prompt -> exception to raise
+
+    def generate(self, requests):
+        self.calls.append([r.request_id for r in requests])
+        for request in requests:
+            for prompt in request.prompts:
+                if prompt in self.exception_for:
+                    raise self.exception_for[prompt]
+        return EchoEngine.generate(self, requests)
+
+
+class HookEngine(RecordingEngine):
+    """Runs `hook(requests)` inside the engine call, the first `times` calls."""
+
+    def __init__(self, hook, times: int = 1):
+        super().__init__()
+        self.hook, self.times = hook, times
+
+    def generate(self, requests):
+        if len(self.calls) < self.times:
+            self.hook(requests)
+        return super().generate(requests)
+
+
+def submit_aged(spool: Spool, requests: list[Request]) -> None:
+    """Submit in order, each visibly older than the next, so the scan order is the list order."""
+    spool.submit_many(requests)
+    now = time.time()
+    for i, request in enumerate(requests):
+        t = now - 100 + i
+        os.utime(spool.requests / f"{request.request_id}.json", (t, t))
+
+
+def wait_results(spool, wait_for, ids, timeout=15.0):
+    wait_for(lambda: all(spool.has_result(i) for i in ids), timeout=timeout, what=f"results of {ids}")
+    return {i: spool.read_result(i) for i in ids}
+
+
+# -- serving -------------------------------------------------------------------------------------------
+
+
+def test_serves_a_request_and_archives_it(spool, make_request, run_worker, wait_for):
+    request = make_request("r1", prompts=["hello", "hi"], n_samples_per_prompt=3, max_tokens=4)
+    spool.submit(request)
+    handle = run_worker(spool)
+    result = wait_results(spool, wait_for, ["r1"])["r1"]
+    assert result.ok and result.error is None
+    assert result.texts == [["hell"] * 3, ["hi"] * 3]
+    assert result.token_ids == [[[ord(c) for c in "hell"]] * 3, [[ord(c) for c in "hi"]] * 3]
+    assert result.finish_reasons == [["length"] * 3, ["stop"] * 3]
+    assert result.logprobs == [[[0.0] * 4] * 3, [[0.0] * 2] * 3]
+    assert result.prompt_token_ids == [[ord(c) for c in "hello"], [ord(c) for c in "hi"]]
+    assert result.weights_dir == request.weights_dir
+    assert result.worker_id == "w1" and result.engine.startswith("echo")
+    assert result.timings.queued_s >= 0 and result.finished_at > 0
+    wait_for(lambda: (spool.done / "r1.request.json").exists(), what="the request in done/")
+    assert os.listdir(spool.requests) == [] and os.listdir(spool.claimed) == []
+    wait_for(lambda: handle.counters.requests_ok == 1, what="the ok counter")
+    assert (handle.counters.samples, handle.counters.tokens) == (6, 3 * 4 + 3 * 2)
+    assert handle.stop() == 0
+
+
+def test_logprobs_false_returns_no_logprobs(spool, make_request, run_worker, wait_for):
+    spool.submit(make_request("r1", logprobs=False))
+    run_worker(spool)
+    result = wait_results(spool, wait_for, ["r1"])["r1"]
+    assert result.ok and result.logprobs == [] and result.token_ids
+
+
+def test_status_file_tells_operators_the_worker_is_alive(spool, run_worker, wait_for):
+    handle = run_worker(spool, lease_s=3.0)
+    path = spool.workers / "w1.json"
+    wait_for(lambda: path.exists() and decode_status(path.read_bytes()).state == "idle", what="an idle status")
+    status = decode_status(path.read_bytes())
+    assert (status.worker_id, status.pid, status.lease_s, status.device) == ("w1", os.getpid(), 3.0, "cpu")
+    assert [s.worker_id for s in spool.live_workers()] == ["w1"]
+    assert handle.stop() == 0
+    assert not path.exists()
+    assert spool.live_workers() == []
+
+
+def test_stop_closes_the_engine(spool, run_worker):
+    engine = RecordingEngine()
+    handle = run_worker(spool, engine)
+    time.sleep(0.2)
+    assert handle.stop() == 0 and engine.closed
+
+
+# -- batching ------------------------------------------------------------------------------------------
+
+
+def test_requests_for_the_same_weights_share_one_engine_call(spool, make_request, run_worker, wait_for):
+    requests = [
+        make_request("a1", prompts=["abcdef"], max_tokens=2, temperature=0.0),
+        make_request("a2", prompts=["abcdef"], max_tokens=5, temperature=1.0, seed=7),
+        make_request("a3", prompts=["xyz", "uvw"], max_tokens=3, top_p=0.5, n_samples_per_prompt=1),
+    ]
+    submit_aged(spool, requests)
+    engine = RecordingEngine()
+    run_worker(spool, engine)
+    results = wait_results(spool, wait_for, ["a1", "a2", "a3"])
+    assert engine.calls == [["a1", "a2", "a3"]]
+    # One call, yet each request keeps its own sampling settings.
+    assert results["a1"].texts == [["ab", "ab"]]
+    assert results["a2"].texts == [["abcde", "abcde"]]
+    assert results["a3"].texts == [["xyz"], ["uvw"]]
+
+
+def test_different_weights_are_served_in_separate_calls(spool, make_request, run_worker, wait_for):
+    requests = [
+        make_request("m1", weights_dir="/models/one"),
+        make_request("m2", weights_dir="/models/two"),
+        make_request("m3", weights_dir="/models/one"),
+        make_request("m4", weights_dir="/models/one", weights_content_id="sha-1"),
+        make_request("m5", weights_dir="/models/two"),
+    ]
+    submit_aged(spool, requests)
+    engine = RecordingEngine()
+    run_worker(spool, engine)
+    results = wait_results(spool, wait_for, [r.request_id for r in requests])
+    assert all(r.ok for r in results.values())
+    assert sorted(engine.calls) == [["m1", "m3"], ["m2", "m5"], ["m4"]]
+    assert engine.calls[0] == ["m1", "m3"]  # the oldest request's weights go first
+
+
+def test_batch_limits_split_engine_calls(spool, make_request, run_worker, wait_for):
+    submit_aged(spool, [make_request(f"r{i}") for i in range(5)])
+    engine = RecordingEngine()
+    run_worker(spool, engine, limits=Limits(max_requests=2))
+    wait_results(spool, wait_for, [f"r{i}" for i in range(5)])
+    assert engine.calls == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+def test_sequence_limit_splits_engine_calls(spool, make_request, run_worker, wait_for):
+    # 2 prompts x 2 samples = 4 sequences each; at most 8 per call.
+    submit_aged(spool, [make_request(f"r{i}", prompts=["p", "q"], n_samples_per_prompt=2) for i in range(3)])
+    engine = RecordingEngine()
+    run_worker(spool, engine, limits=Limits(max_sequences=8))
+    wait_results(spool, wait_for, ["r0", "r1", "r2"])
+    assert engine.calls == [["r0", "r1"], ["r2"]]
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+def test_a_failing_request_is_isolated_from_its_batch(spool, make_request, run_worker, wait_for):
+    submit_aged(spool, [make_request("ok1", prompts=["fine"]), make_request("bad", prompts=["boom"]),
+                        make_request("ok2", prompts=["also fine"])])  # fmt: skip
+    engine = FailingEngine({"boom": RuntimeError("the engine choked on boom")})
+    run_worker(spool, engine)
+    results = wait_results(spool, wait_for, ["ok1", "bad", "ok2"])
+    assert engine.calls == [["ok1", "bad", "ok2"], ["ok1"], ["bad"], ["ok2"]]
+    assert results["ok1"].ok and results["ok2"].ok
+    assert results["ok1"].texts == [["fine"] * 2]
+    bad = results["bad"]
+    assert not bad.ok and bad.error.code is ErrorCode.ENGINE_ERROR
+    assert "RuntimeError" in bad.error.message and "the engine choked on boom" in bad.error.message
+    assert bad.texts == [] and bad.worker_id == "w1"
+
+
+def test_request_failed_keeps_its_own_code(spool, make_request, run_worker, wait_for):
+    submit_aged(spool, [make_request("long", prompts=["too long"]), make_request("short", prompts=["ok"])])
+    engine = FailingEngine({"too long": RequestFailed(ErrorCode.PROMPT_TOO_LONG, "prompt of 9999 tokens, limit 2048")})
+    handle = run_worker(spool, engine)
+    results = wait_results(spool, wait_for, ["long", "short"])
+    assert results["long"].error.code is ErrorCode.PROMPT_TOO_LONG
+    assert results["long"].error.message == "prompt of 9999 tokens, limit 2048"
+    assert results["short"].ok
+    wait_for(lambda: handle.counters.requests_failed == 1 and handle.counters.requests_ok == 1, what="counters")
+    assert "prompt of 9999 tokens" in handle.worker.heartbeat.status.last_error
+
+
+def test_an_expired_deadline_is_answered_without_the_engine(spool, make_request, run_worker, wait_for):
+    spool.submit(make_request("late", deadline=time.time() - 30))
+    spool.submit(make_request("in-time", deadline=time.time() + 600))
+    engine = RecordingEngine()
+    run_worker(spool, engine)
+    results = wait_results(spool, wait_for, ["late", "in-time"])
+    late = results["late"]
+    assert not late.ok and late.error.code is ErrorCode.DEADLINE_EXPIRED
+    assert "deadline passed" in late.error.message and "later deadline" in late.error.message
+    assert results["in-time"].ok
+    assert engine.calls == [["in-time"]]
+    wait_for(lambda: (spool.done / "late.request.json").exists(), what="the late request in done/")
+
+
+def test_a_duplicate_delivery_is_archived_without_running(spool, make_request, run_worker, wait_for):
+    """A request whose result exists (served before a lease recovery) keeps its first result."""
+    spool.publish_results([Result.failure("dup", ErrorCode.ENGINE_ERROR, "first execution")])
+    first = (spool.results / "dup.json").read_bytes()
+    (spool.requests / "dup.json").write_bytes(encode(make_request("dup")))
+    engine = RecordingEngine()
+    run_worker(spool, engine)
+    wait_for(lambda: (spool.done / "dup.request.json").exists(), what="the duplicate in done/")
+    assert engine.calls == []
+    assert (spool.results / "dup.json").read_bytes() == first
+    assert os.listdir(spool.claimed) == [] and os.listdir(spool.requests) == []
+
+
+# -- exits ---------------------------------------------------------------------------------------------
+
+
+def test_idle_exit(spool, run_worker):
+    started = time.monotonic()
+    handle = run_worker(spool, idle_exit_s=0.5)
+    assert handle.join(10) == 0
+    assert 0.5 <= time.monotonic() - started < 5
+    assert os.listdir(spool.workers) == []
+
+
+def test_idle_time_counts_from_the_last_request(spool, make_request, run_worker, wait_for):
+    handle = run_worker(spool, idle_exit_s=1.0)
+    time.sleep(0.6)
+    spool.submit(make_request("keeps-it-busy"))
+    wait_results(spool, wait_for, ["keeps-it-busy"])
+    served = time.monotonic()
+    assert handle.join(10) == 0
+    assert time.monotonic() - served >= 0.8
+
+
+def _rollout_svc() -> str:
+    return str(Path(sys.executable).parent / "rollout-svc")
+
+
+def test_sigterm_stops_a_serving_process_cleanly(spool, make_request, wait_for):
+    spool.submit(make_request("before-term"))
+    process = subprocess.Popen(
+        [_rollout_svc(), "serve", "--spool", str(spool.root), "--engine", "echo", "--worker-id", "sub1",
+         "--idle-exit", "0", "--lease", "3", "--heartbeat", "0.5", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_results(spool, wait_for, ["before-term"], timeout=30)
+        wait_for(lambda: (spool.workers / "sub1.json").exists(), what="the status file")
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=15)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, output.decode(errors="replace")
+    assert spool.read_result("before-term").worker_id == "sub1"
+    assert not (spool.workers / "sub1.json").exists()
+    assert os.listdir(spool.claimed) == []
+    assert os.listdir(spool.requests) == []
+
+
+# -- heartbeat and claims (guarantee 4) ----------------------------------------------------------------
+
+
+def test_heartbeat_loss_abandons_the_batch_and_exits_1(spool, make_request, run_worker, wait_for, monkeypatch):
+    broken = threading.Event()
+    real_write_status = spool.write_status
+
+    def write_status(status):
+        if broken.is_set():
+            raise OSError(28, "No space left on device")
+        real_write_status(status)
+
+    monkeypatch.setattr(spool, "write_status", write_status)
+    handles = []
+
+    def lose_heartbeat(_requests):
+        broken.set()  # the status file can no longer be written...
+        wait_for(lambda: not handles[0].worker.heartbeat.alive(), timeout=10, what="the heartbeat to lapse")
+
+    engine = HookEngine(lose_heartbeat)
+    handles.append(run_worker(spool, engine, lease_s=1.0, heartbeat_s=0.2))
+    spool.submit(make_request("hb"))
+    assert handles[0].join(15) == 1
+    assert engine.calls == [["hb"]]
+    assert os.listdir(spool.results) == []  # ...so nothing is published
+    assert os.listdir(spool.claimed) == ["hb@w1.json"]  # left for the lease to give back
+    assert handles[0].counters.requests_abandoned == 1 and handles[0].counters.requests_ok == 0
+    assert spool.recover_stale(default_lease_s=1.0, now=time.time() + 5) == ["hb.json"]
+
+
+def test_heartbeat_loss_while_idle_exits_1(spool, run_worker, monkeypatch):
+    handle = run_worker(spool, lease_s=1.0, heartbeat_s=0.2)
+    time.sleep(0.3)
+
+    def write_status(status):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(spool, "write_status", write_status)
+    assert handle.join(10) == 1
+
+
+def test_own_claims_of_an_earlier_life_are_released_at_start(spool, make_request, run_worker, wait_for):
+    (spool.claimed / "mine@w1.json").write_bytes(encode(make_request("mine")))
+    (spool.claimed / "theirs@w2.json").write_bytes(encode(make_request("theirs")))
+    now = time.time()
+    spool.write_status(
+        WorkerStatus(worker_id="w2", pid=1, host="h", device="cpu", engine="echo", state="generating",
+                     lease_s=60.0, started_at=now, heartbeat_at=now)
+    )  # fmt: skip
+    engine = RecordingEngine()
+    handle = run_worker(spool, engine)
+    result = wait_results(spool, wait_for, ["mine"])["mine"]
+    assert result.ok and result.worker_id == "w1"
+    time.sleep(0.3)  # a few more loop turns: the live worker's claim must stay untouched
+    assert handle.stop() == 0
+    assert os.listdir(spool.claimed) == ["theirs@w2.json"]
+    assert engine.calls == [["mine"]]
+
+
+@pytest.mark.parametrize("taken", ["deleted", "requeued"])
+def test_a_claim_taken_back_during_generation_is_not_published(spool, make_request, run_worker, wait_for, taken):
+    def take_back(requests):
+        claim = spool.claimed / f"{requests[0].request_id}@w1.json"
+        if taken == "deleted":  # another worker served it and archived it meanwhile
+            claim.unlink()
+        else:  # lease recovery put it back in requests/
+            os.rename(claim, spool.requests / f"{requests[0].request_id}.json")
+
+    engine = HookEngine(take_back)
+    handle = run_worker(spool, engine)
+    spool.submit(make_request("tb"))
+    wait_for(lambda: handle.counters.requests_abandoned == 1, what="the abandoned counter")
+    if taken == "deleted":
+        time.sleep(0.3)
+        assert handle.stop() == 0
+        assert os.listdir(spool.results) == [] and os.listdir(spool.done) == []
+        assert engine.calls == [["tb"]] and handle.counters.requests_ok == 0
+    else:  # served again from requests/, published once, by the second execution
+        result = wait_results(spool, wait_for, ["tb"])["tb"]
+        assert handle.stop() == 0
+        assert result.ok and engine.calls == [["tb"], ["tb"]]
+        assert handle.counters.requests_ok == 1 and handle.counters.requests_abandoned == 1
+
+
+def test_a_claim_taken_back_before_it_is_read_does_not_crash_the_worker(spool, make_request, run_worker, wait_for, monkeypatch):
+    real_load, taken = spool.load, []
+
+    def load(claim, *args, **kwargs):
+        if not taken:  # the first claim goes back to requests/ right after the rename
+            taken.append(claim.name)
+            os.rename(claim.path, spool.requests / claim.name)
+        return real_load(claim, *args, **kwargs)
+
+    monkeypatch.setattr(spool, "load", load)
+    spool.submit(make_request("race"))
+    handle = run_worker(spool)
+    wait_for(lambda: spool.has_result("race") or not handle.thread.is_alive(), what="a result or a dead worker")
+    assert handle.error is None, f"worker crashed: {handle.error!r}"
+    assert taken == ["race.json"]
+    assert spool.read_result("race").ok  # served from its requeued copy
