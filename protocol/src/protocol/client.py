@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from .messages import Request, Result
 from .spool import DEFAULT_LEASE_S, Spool, split_claimed_name
@@ -81,11 +82,15 @@ class SpoolClient:
             self._waker = Waker([self.spool.results], poll=self.poll).__enter__()
         return self._waker
 
-    def wait(self, request_ids: list[str], timeout_s: float, *, consume: bool = True) -> dict[str, Result]:
+    def wait(
+        self, request_ids: list[str], timeout_s: float, *, consume: bool = True, on_poll: Callable[[], None] | None = None
+    ) -> dict[str, Result]:
         """Block until each id has a result, and return them by id.
 
         With `consume`, each result is moved to done/ once read, so results/ holds only
         unread results. Raises NoLiveWorker or ResultTimeout (see the module docstring).
+        `on_poll` is called about once a second and may raise to end the wait (for instance
+        when a worker process the caller started has died).
         """
         waker = self._wake_on_results()
         deadline = time.monotonic() + timeout_s
@@ -128,6 +133,8 @@ class SpoolClient:
                     waiting,
                 )
             if full_check:
+                if on_poll is not None:
+                    on_poll()
                 if self.recover_stale:
                     self.spool.recover_stale(DEFAULT_LEASE_S)
                 if self.spool.live_workers():

@@ -18,7 +18,9 @@ trailing ".0" ignored). `accuracy` averages over every sample of every row that 
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +59,10 @@ def normalise_number(text: str) -> str:
 def gold_from_answer(answer: str) -> str:
     if "####" not in answer:
         raise ValueError("answer has no '#### <number>' line")
-    return normalise_number(answer.rsplit("####", 1)[1])
+    gold = normalise_number(answer.rsplit("####", 1)[1])
+    if not _NUMBER.fullmatch(gold):
+        raise ValueError(f"the text after '####' is not a number: {gold!r}")
+    return gold
 
 
 def extract_number(completion: str) -> str | None:
@@ -69,11 +74,15 @@ def extract_number(completion: str) -> str | None:
 def read_rows(path: str | Path, template: str = "{question}") -> list[EvalRow]:
     """Read a JSONL prompt file. `template` builds the prompt of GSM8K rows from `question`."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RowError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 data = json.loads(line)
             except ValueError as exc:
@@ -111,7 +120,8 @@ def run_eval(
 ) -> EvalReport:
     """Submit every row through the spool, wait, and score the rows that have answers."""
     started = time.monotonic()
-    stamp = time.strftime("%Y%m%dT%H%M%S")
+    # Unique per run, even for two evals started in the same second.
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
     requests = [
         Request(
             request_id=f"{name}-{stamp}-{i // prompts_per_request:05d}",

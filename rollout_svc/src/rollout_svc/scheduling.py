@@ -39,6 +39,8 @@ class Scheduler:
 
     def pick(self, entries: list[Entry], loaded_weights_dir: str | None, now: float | None = None) -> list[Entry]:
         """Entries to claim now, from `entries` (oldest first, as Spool.pending returns)."""
+        if not entries:
+            return []
         now = time.time() if now is None else now
         peeked = [(entry, self._peek(entry)) for entry in entries]
         self._peeked = {(e.name, e.mtime, e.size): r for e, r in peeked}  # forget entries gone
@@ -73,5 +75,7 @@ class Scheduler:
                 request = decode_request(read_regular_file(entry.path, MAX_REQUEST_BYTES))
             except (OSError, ValueError, MessageError):  # symlinks and directories included
                 request = None
+            if request is not None and request.request_id != id_from_name(entry.name):
+                request = None  # will get id_mismatch: answer it now
         self._peeked[key] = request
         return request

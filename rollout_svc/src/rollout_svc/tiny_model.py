@@ -88,6 +88,8 @@ def build(
         unk_token="<unk>",
         clean_up_tokenization_spaces=False,
         model_max_length=max_positions,
+        # "<s>" typed in a prompt is three characters, not the start token.
+        split_special_tokens=True,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

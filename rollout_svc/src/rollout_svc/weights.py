@@ -108,7 +108,10 @@ def _shards(real: str, shown: str) -> list[str]:
     if os.path.exists(index):
         try:
             with open(index, "rb") as f:
-                wanted = sorted(set(json.loads(f.read())["weight_map"].values()))
+                shard_names = json.loads(f.read())["weight_map"].values()
+            if not all(isinstance(name, str) for name in shard_names):
+                raise ValueError("weight_map values must be shard file names")
+            wanted = sorted(set(shard_names))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/model.safetensors.index.json is unreadable: {exc}") from None
         missing = [s for s in wanted if s not in names]

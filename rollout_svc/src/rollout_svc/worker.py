@@ -115,6 +115,7 @@ class Worker:
             if self.config.preload and not self._preload(self.config.preload):
                 return EXIT_PRELOAD_FAILED
             with Waker([self.spool.requests], poll=self.config.poll) as self._waker:
+                self.heartbeat.set_state("idle")
                 self.notifier.ready(self._describe())
                 return self._loop()
         finally:
@@ -133,7 +134,6 @@ class Worker:
 
     def _loop(self) -> int:
         cfg = self.config
-        self.heartbeat.set_state("idle")
         last_work = time.monotonic()
         next_recovery = 0.0
         while not self._stopping:
@@ -149,7 +149,10 @@ class Worker:
             entries = self.spool.pending()
             if self.metrics is not None:
                 self.metrics.queue_depth.set(len(entries))
-                self.metrics.write()
+                try:
+                    self.metrics.write()
+                except OSError as exc:  # monitoring must not stop the service
+                    log.warning("metrics textfile not written: %s", exc)
             if entries:
                 batch = self.scheduler.pick(entries, self.engine.weights_dir)
                 exit_code = self._serve_batch(batch)

@@ -1,0 +1,209 @@
+"""The Prometheus textfile: atomic rewrites that parse, counters by outcome and error code, and
+the file a real echo worker keeps while it serves."""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import rollout_svc.worker as worker_module
+from protocol.spool import Spool
+from rollout_svc.engines.echo import EchoEngine
+from rollout_svc.metrics import Metrics
+from rollout_svc.worker import Worker, WorkerConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+FAMILIES = {
+    "rollout_queue_depth",
+    "rollout_tokens_per_second",
+    "rollout_reload_seconds",
+    "rollout_generated_tokens",
+    "rollout_requests",
+    "rollout_errors",
+    "rollout_reloads",
+}
+
+
+def parse(path) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a textfile; fails on a file that does not parse."""
+    families = list(text_string_to_metric_families(path.read_text()))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def families(path) -> set[str]:
+    """Family names, less the `_created` timestamps prometheus_client adds to counters."""
+    return {f.name for f in text_string_to_metric_families(path.read_text()) if not f.name.endswith("_created")}
+
+
+def value(parsed, name: str, **labels) -> float | None:
+    return parsed.get((name, tuple(sorted(labels.items()))))
+
+
+def test_the_file_is_named_for_node_exporter(tmp_path):
+    metrics = Metrics(tmp_path, "host-gpu0")
+    assert metrics.path == tmp_path / "rollout_svc_host-gpu0.prom"
+    assert not metrics.path.exists()  # nothing is written before write()
+    metrics.write()
+    assert os.listdir(tmp_path) == ["rollout_svc_host-gpu0.prom"]
+
+
+def test_a_fresh_file_parses_with_every_family_at_zero(tmp_path):
+    metrics = Metrics(tmp_path, "w1")
+    metrics.write()
+    assert families(metrics.path) == FAMILIES
+    parsed = parse(metrics.path)
+    for name in ("rollout_queue_depth", "rollout_tokens_per_second", "rollout_reload_seconds",
+                 "rollout_generated_tokens_total", "rollout_reloads_total"):
+        assert value(parsed, name, worker="w1") == 0.0, name
+    assert not any(name in ("rollout_requests_total", "rollout_errors_total") for name, _ in parsed)
+
+
+def test_counters_by_outcome_and_error_code(tmp_path):
+    metrics = Metrics(tmp_path, "w1")
+    metrics.answered(True)
+    metrics.answered(True, "bad_json")  # a code on a success counts no error
+    metrics.answered(False, "bad_json")
+    metrics.answered(False, "bad_json")
+    metrics.answered(False, "weights_invalid")
+    metrics.answered(False, None)  # an error without a code counts as an error only
+    metrics.write()
+    parsed = parse(metrics.path)
+    assert value(parsed, "rollout_requests_total", worker="w1", outcome="ok") == 2
+    assert value(parsed, "rollout_requests_total", worker="w1", outcome="error") == 4
+    assert value(parsed, "rollout_errors_total", worker="w1", code="bad_json") == 2
+    assert value(parsed, "rollout_errors_total", worker="w1", code="weights_invalid") == 1
+    codes = sorted(dict(labels)["code"] for name, labels in parsed if name == "rollout_errors_total")
+    assert codes == ["bad_json", "weights_invalid"]
+
+
+def test_gauges_and_counters_show_their_last_values(tmp_path):
+    metrics = Metrics(tmp_path, "w1")
+    metrics.queue_depth.set(7)
+    metrics.tokens_per_s.set(123.5)
+    metrics.reload_s.set(2.25)
+    metrics.tokens.inc(40)
+    metrics.tokens.inc(2)
+    metrics.reloads.inc()
+    metrics.write()
+    parsed = parse(metrics.path)
+    assert value(parsed, "rollout_queue_depth", worker="w1") == 7
+    assert value(parsed, "rollout_tokens_per_second", worker="w1") == 123.5
+    assert value(parsed, "rollout_reload_seconds", worker="w1") == 2.25
+    assert value(parsed, "rollout_generated_tokens_total", worker="w1") == 42
+    assert value(parsed, "rollout_reloads_total", worker="w1") == 1
+    metrics.queue_depth.set(0)
+    metrics.write()
+    assert value(parse(metrics.path), "rollout_queue_depth", worker="w1") == 0
+
+
+def test_two_workers_in_one_directory_keep_separate_files(tmp_path):
+    a, b = Metrics(tmp_path, "a"), Metrics(tmp_path, "b")
+    a.answered(True)
+    a.write()
+    b.write()
+    assert value(parse(a.path), "rollout_requests_total", worker="a", outcome="ok") == 1
+    assert not any(name == "rollout_requests_total" for name, _ in parse(b.path))
+
+
+def test_each_write_replaces_the_file_whole(tmp_path):
+    """Readers never see a half-written file: every rewrite is a new file renamed into place,
+    and a reader polling during many rewrites always parses every family."""
+    metrics = Metrics(tmp_path, "w1")
+    metrics.answered(True)
+    metrics.write()
+    first_inode = metrics.path.stat().st_ino
+    metrics.write()
+    assert metrics.path.stat().st_ino != first_inode  # renamed over, not rewritten in place
+
+    stop = threading.Event()
+    snapshots: set[str] = set()
+
+    def read_loop():  # reads only: parsing here would starve the writer of the GIL
+        while not stop.is_set():
+            snapshots.add(metrics.path.read_text())
+
+    reader = threading.Thread(target=read_loop)
+    reader.start()
+    try:
+        for i in range(100):
+            metrics.answered(True)
+            metrics.answered(False, f"code_{i % 20}")  # the file grows as codes appear
+            metrics.write()
+    finally:
+        stop.set()
+        reader.join(10)
+    assert len(snapshots) > 5
+    for text in snapshots:
+        found = {f.name for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+        assert found == FAMILIES, text
+        assert text.endswith("\n")
+    assert os.listdir(tmp_path) == ["rollout_svc_w1.prom"]  # no scratch file left behind
+    assert value(parse(metrics.path), "rollout_requests_total", worker="w1", outcome="ok") == 101
+
+
+# -- a real worker -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serve_with_metrics(monkeypatch):
+    """Run a Worker with a Metrics object in a thread; stops it at the end of the test.
+
+    Signal handlers belong to the main thread, so the worker module sees a stand-in."""
+    import signal
+
+    monkeypatch.setattr(
+        worker_module,
+        "signal",
+        types.SimpleNamespace(SIGTERM=signal.SIGTERM, SIGINT=signal.SIGINT, SIGALRM=signal.SIGALRM,
+                              signal=lambda *args: None, alarm=lambda seconds: 0),
+    )
+    running = []
+
+    def start(spool: Spool, metrics: Metrics) -> Worker:
+        config = WorkerConfig(worker_id="w1", lease_s=3.0, heartbeat_s=0.2, idle_exit_s=None, rescan_s=0.1)
+        worker = Worker(spool, EchoEngine(), config, metrics=metrics)
+        outcome = {}
+        thread = threading.Thread(target=lambda: outcome.update(rc=worker.serve()), daemon=True)
+        thread.start()
+        running.append((worker, thread, outcome))
+        return worker
+
+    yield start
+    for worker, thread, outcome in running:
+        worker.request_stop()
+        thread.join(10)
+        assert not thread.is_alive(), "worker did not stop"
+        assert outcome.get("rc") == 0
+
+
+def test_a_worker_counts_a_good_and_a_bad_request(spool, make_request, wait_for, tmp_path, serve_with_metrics):
+    metrics = Metrics(tmp_path / "metrics", "w1")
+    (tmp_path / "metrics").mkdir()
+    serve_with_metrics(spool, metrics)
+    wait_for(lambda: metrics.path.exists(), what="the metrics file")
+    spool.submit(make_request("good", prompts=["hello world"], n_samples_per_prompt=2, max_tokens=5))
+    (spool.tmp / "bad.json").write_bytes(b"{not json")
+    os.rename(spool.tmp / "bad.json", spool.requests / "bad.json")
+    wait_for(lambda: spool.has_result("good") and spool.has_result("bad"), what="both results")
+
+    def counted():
+        parsed = parse(metrics.path)
+        done = (
+            value(parsed, "rollout_requests_total", worker="w1", outcome="ok") == 1
+            and value(parsed, "rollout_requests_total", worker="w1", outcome="error") == 1
+            and value(parsed, "rollout_queue_depth", worker="w1") == 0
+        )
+        return parsed if done else None
+
+    parsed = wait_for(counted, what="ok=1 and error=1 in the textfile")
+    assert value(parsed, "rollout_errors_total", worker="w1", code="bad_json") == 1
+    assert [dict(l)["code"] for n, l in parsed if n == "rollout_errors_total"] == ["bad_json"]
+    assert value(parsed, "rollout_generated_tokens_total", worker="w1") == 10  # 2 samples x 5 tokens
+    assert value(parsed, "rollout_tokens_per_second", worker="w1") > 0
+    assert value(parsed, "rollout_reloads_total", worker="w1") == 0  # echo never reloads
+    assert spool.read_result("bad").error.code.value == "bad_json"

@@ -1,0 +1,273 @@
+"""Scheduler.pick: loaded weights first, aging, requests to answer at once, batch limits, and the
+peek that reads request files before they are claimed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from protocol.messages import encode
+from protocol.spool import MAX_REQUEST_BYTES, Spool
+from rollout_svc.scheduling import Limits, Scheduler, weights_key
+
+BASE = 1_700_000_000.0  # request files get mtimes BASE, BASE + 1, ...; `now` is passed explicitly
+
+
+def put(spool: Spool, request, age_rank: int) -> None:
+    """Write `request` into requests/ with mtime BASE + age_rank (lower rank: older)."""
+    path = spool.requests / f"{request.request_id}.json"
+    path.write_bytes(encode(request))
+    set_mtime(path, BASE + age_rank)
+
+
+def put_raw(spool: Spool, name: str, data: bytes, age_rank: int) -> None:
+    path = spool.requests / name
+    path.write_bytes(data)
+    set_mtime(path, BASE + age_rank)
+
+
+def set_mtime(path, t: float) -> None:
+    ns = int(t * 1e9)
+    os.utime(path, ns=(ns, ns), follow_symlinks=False)
+
+
+def names(entries) -> list[str]:
+    return [e.name for e in entries]
+
+
+def pick(spool: Spool, loaded=None, now=BASE + 10, limits: Limits = Limits(), scheduler=None):
+    scheduler = scheduler or Scheduler(spool, limits)
+    return names(scheduler.pick(spool.pending(), loaded, now=now))
+
+
+# -- weights preference and aging ----------------------------------------------------------------
+
+
+def test_without_loaded_weights_the_oldest_request_sets_the_weights(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put(spool, make_request("b1", weights_dir="/m/b"), 1)
+    put(spool, make_request("a2", weights_dir="/m/a"), 2)
+    assert pick(spool, loaded=None) == ["a1.json", "a2.json"]
+
+
+def test_requests_for_the_loaded_weights_come_first(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put(spool, make_request("b1", weights_dir="/m/b"), 1)
+    put(spool, make_request("a2", weights_dir="/m/a"), 2)
+    put(spool, make_request("b2", weights_dir="/m/b"), 3)
+    assert pick(spool, loaded="/m/b") == ["b1.json", "b2.json"]
+
+
+def test_loaded_weights_nobody_asks_for_fall_back_to_the_oldest(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put(spool, make_request("b1", weights_dir="/m/b"), 1)
+    assert pick(spool, loaded="/m/c") == ["a1.json"]
+
+
+def test_an_oldest_request_past_max_wait_wins_whatever_its_weights(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put(spool, make_request("b1", weights_dir="/m/b"), 1)
+    limits = Limits(max_wait_s=60.0)
+    assert pick(spool, loaded="/m/b", now=BASE + 59.5, limits=limits) == ["b1.json"]
+    assert pick(spool, loaded="/m/b", now=BASE + 60.5, limits=limits) == ["a1.json"]
+
+
+def test_aging_follows_the_file_mtime(spool, make_request):
+    """The age is the request file's mtime, as a producer's write sets it."""
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put(spool, make_request("b1", weights_dir="/m/b"), 1)
+    limits = Limits(max_wait_s=5.0)
+    assert pick(spool, loaded="/m/b", now=BASE + 4, limits=limits) == ["b1.json"]
+    set_mtime(spool.requests / "a1.json", BASE - 100)
+    assert pick(spool, loaded="/m/b", now=BASE + 4, limits=limits) == ["a1.json"]
+
+
+def test_the_default_now_is_the_clock(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)  # mtime in 2023: far past max_wait
+    put(spool, make_request("b1", weights_dir="/m/b"), 1)
+    assert names(Scheduler(spool).pick(spool.pending(), "/m/b")) == ["a1.json"]
+
+
+# -- requests answered at once -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["not_json", "bad_name", "empty", "directory", "huge", "invalid_field", "unknown_schema"])
+def test_unacceptable_files_are_picked_first(spool, make_request, case, tmp_path):
+    put(spool, make_request("ok1", weights_dir="/m/a"), 0)
+    name = f"{case}.json"
+    if case == "not_json":
+        put_raw(spool, name, b"{not json", 1)
+    elif case == "bad_name":
+        name = "bad name.json"
+        put_raw(spool, name, encode(make_request("ok2")), 1)
+    elif case == "empty":
+        put_raw(spool, name, b"", 1)
+    elif case == "directory":
+        (spool.requests / name).mkdir()
+        set_mtime(spool.requests / name, BASE + 1)
+    elif case == "huge":
+        with open(spool.requests / name, "wb") as f:
+            f.write(encode(make_request("huge"))[:-1])
+            f.truncate(MAX_REQUEST_BYTES + 1)
+        set_mtime(spool.requests / name, BASE + 1)
+    elif case == "invalid_field":
+        put_raw(spool, name, encode(make_request(case)).replace(b'"max_tokens":5', b'"max_tokens":0'), 1)
+    elif case == "unknown_schema":
+        put_raw(spool, name, encode(make_request(case, schema=99)), 1)
+    put(spool, make_request("ok2", weights_dir="/m/a"), 2)
+    assert pick(spool, loaded="/m/a") == [name]
+
+
+def test_expired_deadlines_are_picked_first_and_future_ones_are_not(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put(spool, make_request("late", weights_dir="/m/b", deadline=BASE + 5), 1)
+    put(spool, make_request("soon", weights_dir="/m/b", deadline=BASE + 50), 2)
+    assert pick(spool, loaded="/m/a", now=BASE + 10) == ["late.json"]
+    assert pick(spool, loaded="/m/a", now=BASE + 4) == ["a1.json"]
+
+
+def test_every_request_to_answer_now_is_picked_oldest_first_up_to_max_requests(spool, make_request):
+    put(spool, make_request("a1"), 0)
+    put_raw(spool, "x1.json", b"[]", 1)
+    put(spool, make_request("late", deadline=BASE), 2)
+    put_raw(spool, "x2.json", b"nope", 3)
+    assert pick(spool) == ["x1.json", "late.json", "x2.json"]
+    assert pick(spool, limits=Limits(max_requests=2)) == ["x1.json", "late.json"]
+
+
+def test_a_symlink_to_a_valid_request_is_never_followed(spool, make_request, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "link.json"
+    target.write_bytes(encode(make_request("link", weights_dir="/m/a")))
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    os.symlink(target, spool.requests / "link.json")
+    set_mtime(spool.requests / "link.json", BASE + 1)
+    put(spool, make_request("a2", weights_dir="/m/a"), 2)
+    assert pick(spool, loaded="/m/a") == ["link.json"]
+
+
+def test_a_dangling_symlink_is_answered_now(spool, make_request, tmp_path):
+    put(spool, make_request("a1"), 0)
+    os.symlink(tmp_path / "missing.json", spool.requests / "gone.json")
+    set_mtime(spool.requests / "gone.json", BASE + 1)
+    assert pick(spool) == ["gone.json"]
+
+
+def test_a_request_whose_id_differs_from_its_name_is_answered_now(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a"), 0)
+    put_raw(spool, "named.json", encode(make_request("other", weights_dir="/m/b")), 1)
+    assert pick(spool, loaded="/m/a") == ["named.json"]
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+
+def test_a_batch_shares_one_weights_key_content_id_included(spool, make_request):
+    put(spool, make_request("a1", weights_dir="/m/a", weights_content_id="v1"), 0)
+    put(spool, make_request("a2", weights_dir="/m/a", weights_content_id="v2"), 1)
+    put(spool, make_request("b1", weights_dir="/m/b"), 2)
+    put(spool, make_request("a3", weights_dir="/m/a", weights_content_id="v1"), 3)
+    put(spool, make_request("a4", weights_dir="/m/a"), 4)
+    assert pick(spool) == ["a1.json", "a3.json"]
+    # With /m/a loaded, the first request naming it sets the content id too.
+    put(spool, make_request("a0", weights_dir="/m/a", weights_content_id="v2"), -1)
+    assert pick(spool, loaded="/m/a") == ["a0.json", "a2.json"]
+
+
+def test_weights_key(make_request):
+    assert weights_key(make_request(weights_dir="/m/a")) == ("/m/a", None)
+    assert weights_key(make_request(weights_dir="/m/a", weights_content_id="c")) == ("/m/a", "c")
+
+
+def test_max_requests_keeps_the_oldest(spool, make_request):
+    for i in range(5):
+        put(spool, make_request(f"a{i}"), i)
+    assert pick(spool, limits=Limits(max_requests=2)) == ["a0.json", "a1.json"]
+    assert pick(spool, limits=Limits(max_requests=5)) == [f"a{i}.json" for i in range(5)]
+
+
+def test_max_sequences_counts_prompts_times_samples(spool, make_request):
+    for i in range(3):  # 2 prompts x 2 samples: 4 sequences each
+        put(spool, make_request(f"a{i}", prompts=["p", "q"], n_samples_per_prompt=2), i)
+    assert pick(spool, limits=Limits(max_sequences=11)) == ["a0.json", "a1.json"]
+    assert pick(spool, limits=Limits(max_sequences=12)) == ["a0.json", "a1.json", "a2.json"]
+    assert pick(spool, limits=Limits(max_sequences=4)) == ["a0.json"]
+
+
+def test_a_request_larger_than_max_sequences_is_picked_alone(spool, make_request):
+    put(spool, make_request("big", prompts=["p"] * 3, n_samples_per_prompt=4), 0)  # 12 sequences
+    put(spool, make_request("small", n_samples_per_prompt=1), 1)
+    assert pick(spool, limits=Limits(max_sequences=10)) == ["big.json"]
+
+
+def test_a_large_request_behind_a_small_one_waits_for_the_next_batch(spool, make_request):
+    put(spool, make_request("small", n_samples_per_prompt=1), 0)
+    put(spool, make_request("big", prompts=["p"] * 3, n_samples_per_prompt=4), 1)
+    put(spool, make_request("small2", n_samples_per_prompt=1), 2)
+    limits = Limits(max_sequences=10)
+    assert pick(spool, limits=limits) == ["small.json"]  # the batch keeps the queue order
+    os.unlink(spool.requests / "small.json")
+    assert pick(spool, limits=limits) == ["big.json"]
+
+
+# -- the peek cache ------------------------------------------------------------------------------
+
+
+def test_a_replaced_file_is_read_again_when_its_mtime_changes(spool, make_request):
+    put(spool, make_request("x", weights_dir="/m/a"), 0)
+    put(spool, make_request("y", weights_dir="/m/b"), 1)
+    scheduler = Scheduler(spool)
+    assert pick(spool, scheduler=scheduler) == ["x.json"]
+    before = (spool.requests / "x.json").stat().st_size
+    put(spool, make_request("x", weights_dir="/m/b"), 0)  # same size, then a new mtime
+    assert (spool.requests / "x.json").stat().st_size == before
+    set_mtime(spool.requests / "x.json", BASE + 0.5)
+    assert pick(spool, scheduler=scheduler) == ["x.json", "y.json"]
+
+
+def test_a_replaced_file_is_read_again_when_its_size_changes(spool, make_request):
+    put(spool, make_request("x", weights_dir="/m/a"), 0)
+    put(spool, make_request("y", weights_dir="/m/b"), 1)
+    scheduler = Scheduler(spool)
+    assert pick(spool, scheduler=scheduler) == ["x.json"]
+    put(spool, make_request("x", weights_dir="/m/b", tag="longer now"), 0)  # same mtime
+    assert pick(spool, scheduler=scheduler) == ["x.json", "y.json"]
+
+
+def test_a_file_that_becomes_valid_is_read_again(spool, make_request):
+    put_raw(spool, "x.json", b"{", 0)
+    put(spool, make_request("y", weights_dir="/m/b"), 1)
+    scheduler = Scheduler(spool)
+    assert pick(spool, scheduler=scheduler) == ["x.json"]
+    put(spool, make_request("x", weights_dir="/m/b"), 0)
+    assert pick(spool, scheduler=scheduler) == ["x.json", "y.json"]
+
+
+def test_a_valid_file_replaced_by_a_symlink_is_not_served_from_the_cache(spool, make_request, tmp_path):
+    request = make_request("x", weights_dir="/m/a")
+    put(spool, request, 0)
+    put(spool, make_request("y", weights_dir="/m/a"), 1)
+    scheduler = Scheduler(spool)
+    assert pick(spool, scheduler=scheduler) == ["x.json", "y.json"]
+    target = tmp_path / "target.json"
+    target.write_bytes(encode(request))
+    os.unlink(spool.requests / "x.json")
+    os.symlink(target, spool.requests / "x.json")
+    set_mtime(spool.requests / "x.json", BASE)
+    assert pick(spool, scheduler=scheduler) == ["x.json"]
+
+
+def test_pick_reads_each_unchanged_file_once(spool, make_request, monkeypatch):
+    import rollout_svc.scheduling as scheduling
+
+    put(spool, make_request("a1"), 0)
+    put(spool, make_request("a2"), 1)
+    reads = []
+    real = scheduling.read_regular_file
+    monkeypatch.setattr(scheduling, "read_regular_file", lambda path, limit: reads.append(path.name) or real(path, limit))
+    scheduler = Scheduler(spool)
+    for _ in range(3):
+        assert pick(spool, scheduler=scheduler) == ["a1.json", "a2.json"]
+    assert sorted(reads) == ["a1.json", "a2.json"]
