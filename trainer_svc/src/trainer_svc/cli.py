@@ -1,0 +1,112 @@
+"""`trainer-svc`: train (GRPO), sft (warm-up), plot. Heavy imports happen inside commands, so
+`--help` and config errors are instant. Exit codes: protocol.exit_codes (README table)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from protocol import exit_codes
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO trainer using rollout workers through a spool.")
+
+ConfigArg = Annotated[Path, typer.Argument(help="Run config (TOML).")]
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+
+
+def _fail(code: int, message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _load(config: Path, smoke: bool):
+    from .config import ConfigError, load
+
+    try:
+        return load(config, smoke=smoke)
+    except ConfigError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+
+
+def check_before_work(cfg, *, need_model: bool = True) -> None:
+    """Cheap checks that would otherwise fail after minutes of model loading."""
+    from .preflight import PreflightError, check_model_dir, check_run_dir, check_spool
+
+    try:
+        if need_model:
+            check_model_dir(Path(cfg.model.path))
+        check_run_dir(cfg.run_dir)
+        check_spool(cfg)
+    except PreflightError as exc:
+        raise _fail(exc.exit_code, str(exc)) from None
+
+
+@app.command()
+def train(config: ConfigArg, smoke: Annotated[bool, typer.Option(help="A tiny shape of the same run (a few small steps).")] = False) -> None:
+    """Run GRPO; relaunching with the same run directory resumes from its newest checkpoint."""
+    _setup_logging()
+    cfg = _load(config, smoke)
+    check_before_work(cfg)
+    from .data import DataError
+    from .loop import train as run_training
+    from .rollout import RolloutFailed, RolloutUnavailable
+
+    try:
+        code = run_training(cfg, stage="grpo_smoke" if smoke else "grpo")
+    except DataError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    except (RolloutUnavailable, RolloutFailed) as exc:
+        raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    if code == exit_codes.OK:
+        typer.echo(f"done: {cfg.run_dir / 'stage_result.json'}; plot it with `trainer-svc plot {cfg.run_dir}`")
+    raise typer.Exit(code)
+
+
+@app.command()
+def sft(config: ConfigArg) -> None:
+    """Supervised warm-up from [sft].base into model.path, stopping at [sft].stop_at_accuracy."""
+    _setup_logging()
+    cfg = _load(config, False)
+    if cfg.sft is None:
+        raise _fail(exit_codes.USAGE, f"{config} has no [sft] section (base = the model to start from)")
+    from .preflight import PreflightError, check_model_dir
+
+    try:
+        check_model_dir(Path(cfg.sft.base))
+    except PreflightError as exc:
+        raise _fail(exc.exit_code, str(exc)) from None
+    from .sft import run_sft
+
+    try:
+        report = run_sft(cfg)
+    except FileExistsError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    typer.echo(f"warm-up: {report['steps']} steps, sampled accuracy {report['sampled_accuracy']:.2f}; model in {report['out']}")
+
+
+@app.command()
+def plot(run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).")], out: Annotated[Path | None, typer.Option(help="PNG path; default RUN_DIR/training.png.")] = None) -> None:
+    """Draw reward, loss, entropy, response length and logprob mismatch against step."""
+    from .plot import plot as draw
+
+    try:
+        path = draw(run_dir, out)
+    except ValueError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    typer.echo(f"plot written to {path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

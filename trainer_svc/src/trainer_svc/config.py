@@ -1,0 +1,183 @@
+"""The run's configuration: TOML decoded into typed structs, checked at load.
+
+Importable without torch, so `trainer-svc --help` and config errors are instant. Unknown keys,
+wrong types and out-of-range values are refused with the key's path and the reason
+(`Expected int >= 1 - at $.train.steps`). Validators check; they never fill in values. The
+resolved config (defaults included) is written into the run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
+class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunConfig(Struct):
+    dir: str  # run directory: checkpoints, metrics, results; relaunching with it resumes
+    seed: int = 0
+    deterministic: bool = False  # torch deterministic algorithms (CPU): resumed runs repeat exactly
+    max_wall_seconds: NonNegativeFloat = 0.0  # stop (resumable) at the first step boundary past this; 0: none
+
+
+class ModelConfig(Struct):
+    path: str  # HF-format causal LM directory (config.json, safetensors, tokenizer)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    activation_checkpointing: bool = False
+
+
+class DataConfig(Struct):
+    task: Literal["arithmetic", "file"] = "arithmetic"
+    path: str = ""  # task "file": JSONL of GSM8K rows or {"prompt", "gold"} rows
+    template: str = "{question}"  # prompt built from a GSM8K question
+    arithmetic_low: NonNegative = 0
+    arithmetic_high: NonNegative = 20
+    arithmetic_ops: str = "+"
+    held_out: NonNegative = 32  # problems kept out of training, for the canary
+
+    def __post_init__(self) -> None:
+        if self.task == "file" and not self.path:
+            raise ValueError("data.path must name a JSONL file when data.task = 'file'")
+        if self.arithmetic_high < self.arithmetic_low:
+            raise ValueError("data.arithmetic_high must be >= data.arithmetic_low")
+
+
+class RolloutConfig(Struct):
+    spool: str = ""  # spool directory; default <run.dir>/spool
+    spawn: bool = True  # start a worker from the rollout venv; false: use workers already serving the spool
+    rollout_venv: str = ".venvs/rollout"  # where `rollout-svc` is, when spawning
+    worker_args: list[str] = []  # extra `rollout-svc serve` arguments, when spawning
+    prompts_per_step: Positive = 16
+    samples_per_prompt: Annotated[int, msgspec.Meta(ge=2)] = 8  # G: a group needs two to compare
+    max_tokens: Positive = 4
+    temperature: PositiveFloat = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    timeout_s: PositiveFloat = 600.0  # longest wait for one step's rollouts
+    no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
+
+
+class TrainConfig(Struct):
+    steps: Positive = 200  # optimizer steps
+    lr: PositiveFloat = 1e-4
+    warmup_steps: NonNegative = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    betas: tuple[Fraction, Fraction] = (0.9, 0.99)
+    weight_decay: NonNegativeFloat = 0.0
+    max_grad_norm: PositiveFloat = 1.0
+    grad_accum: Positive = 1  # micro-batches per optimizer step (per rank)
+
+
+class LossConfig(Struct):
+    clip_low: Fraction = 0.2  # ratio clipped below 1 - clip_low
+    clip_high: NonNegativeFloat = 0.28  # and above 1 + clip_high (clip-higher)
+    denominator: Literal["token", "sequence", "constant"] = "token"
+    advantage_norm: Literal["std", "mean"] = "std"
+    kl_coef: NonNegativeFloat = 0.0  # k3 KL to the starting model; 0 keeps no reference model
+    dead_group_retries: NonNegative = 1  # resamples of all-equal-reward groups per step
+
+
+class RewardSection(Struct):
+    correct: float = 1.0
+    format_weight: NonNegativeFloat = 0.0
+    overlong_buffer: NonNegative = 0  # DAPO soft overlong penalty width in tokens; 0: off
+
+
+class CheckpointConfig(Struct):
+    every: Positive = 1  # optimizer steps between saves: each save is a weight sync
+    keep_last: Positive = 3
+
+
+class SftConfig(Struct):
+    """The supervised warm-up `trainer-svc sft` runs before GRPO; it writes model.path."""
+
+    base: str  # the model to start from
+    problems: Positive = 200  # training problems it sees (the rest are left for GRPO to learn)
+    steps: Positive = 1000  # at most
+    batch_size: Positive = 32
+    lr: PositiveFloat = 3e-4
+    stop_at_accuracy: Fraction = 0.3  # stop once sampled accuracy reaches this: GRPO does the rest
+    eval_every: Positive = 25
+    eval_problems: Positive = 128
+
+
+class Config(Struct):
+    run: RunConfig
+    model: ModelConfig
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    reward: RewardSection = msgspec.field(default_factory=RewardSection)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    sft: SftConfig | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+    @property
+    def spool_dir(self) -> Path:
+        return Path(self.rollout.spool) if self.rollout.spool else self.run_dir / "spool"
+
+
+class ConfigError(ValueError):
+    """The config cannot be used; the message names the file, the key and the reason."""
+
+
+def load(path: str | Path, *, smoke: bool = False) -> Config:
+    path = Path(path)
+    try:
+        config = msgspec.toml.decode(path.read_bytes(), type=Config)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    config = _resolve_paths(config)
+    return smoke_shape(config) if smoke else config
+
+
+def _resolve_paths(config: Config) -> Config:
+    """Relative paths are taken from the working directory (where the command runs), resolved
+    once here so that every later reader, and the resolved config, sees absolute paths."""
+
+    def resolve(value: str) -> str:
+        return str(Path(value).absolute()) if value else value
+
+    return msgspec.structs.replace(
+        config,
+        sft=msgspec.structs.replace(config.sft, base=resolve(config.sft.base)) if config.sft else None,
+        run=msgspec.structs.replace(config.run, dir=resolve(config.run.dir)),
+        model=msgspec.structs.replace(config.model, path=resolve(config.model.path)),
+        data=msgspec.structs.replace(config.data, path=resolve(config.data.path)),
+        rollout=msgspec.structs.replace(
+            config.rollout, spool=resolve(config.rollout.spool), rollout_venv=resolve(config.rollout.rollout_venv)
+        ),
+    )
+
+
+def smoke_shape(config: Config) -> Config:
+    """`--smoke`: the same run, tiny: a few small steps, to check a setup end to end."""
+    return msgspec.structs.replace(
+        config,
+        run=msgspec.structs.replace(config.run, dir=str(Path(config.run.dir).with_name(Path(config.run.dir).name + "-smoke"))),
+        rollout=msgspec.structs.replace(config.rollout, prompts_per_step=4, samples_per_prompt=4),
+        train=msgspec.structs.replace(config.train, steps=3, grad_accum=min(config.train.grad_accum, 2), warmup_steps=0),
+        checkpoint=msgspec.structs.replace(config.checkpoint, every=1),
+    )
+
+
+def dump(config: Config) -> bytes:
+    return msgspec.toml.encode(config)

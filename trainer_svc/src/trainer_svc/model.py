@@ -1,0 +1,93 @@
+"""The policy: any HF causal LM, on one process (CPU or one GPU) or sharded with FSDP2.
+
+Under torchrun each decoder layer, then the whole model, is wrapped with `fully_shard`
+(FSDP2); gradients are then averaged over ranks, which grpo.rank_scale compensates. With
+activation checkpointing each decoder layer recomputes its activations in the backward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Distributed:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Distributed:
+    """One process, or the process group torchrun describes (gloo on CPU, NCCL on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world > 1:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        return Distributed(dist.get_rank(), world, device)
+    return Distributed(0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu"))
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_policy(path: str, dtype: torch.dtype, dist_info: Distributed, *, activation_checkpointing: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dist_info.device)
+    model.config.use_cache = False
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dist_info.world_size > 1:
+        shard(model)
+    return model
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of an HF causal LM (model.model.layers for Llama, Qwen, Mistral...)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers) to shard")
+    return list(layers)
+
+
+def shard(model) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def load_reference(path: str, dtype: torch.dtype, device: torch.device):
+    """A frozen copy of the starting model, for the KL term (kept whole on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

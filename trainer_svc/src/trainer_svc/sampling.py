@@ -1,0 +1,107 @@
+"""One step's rollouts (rank 0): prompts -> samples -> rewards -> group advantages.
+
+A group whose G rewards are all equal has zero advantage everywhere and teaches nothing. Such
+dead groups are counted and, up to `loss.dead_group_retries` times per step, replaced by
+groups of fresh prompts; what is still dead after that stays in the batch (it adds nothing to
+the gradient, and the step's size stays what the config says).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from . import grpo
+from .config import Config
+from .data import Problem, PromptStream
+from .rewards import RewardBreakdown, RewardConfig, Verifier, score
+from .rollout import Group
+
+
+class Sampler(Protocol):
+    def sample(self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int) -> list[Group]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class StepRollouts:
+    problems: list[Problem]
+    groups: list[Group]
+    rewards: torch.Tensor  # [P, G]
+    breakdowns: list[list[RewardBreakdown]]
+    advantages: torch.Tensor  # [P, G]
+    dead_initial: int  # dead groups in the first sampling
+    dead_final: int  # dead groups left after the retries
+    retries: int  # extra requests made
+    rollout_s: float
+    stats: dict = field(default_factory=dict)
+
+
+def sample_step(
+    sampler: Sampler,
+    stream: PromptStream,
+    verifier: Verifier,
+    cfg: Config,
+    *,
+    step: int,
+    weights_dir: str,
+    content_id: str | None,
+) -> StepRollouts:
+    started = time.monotonic()
+    reward_cfg = RewardConfig(correct=cfg.reward.correct, format_weight=cfg.reward.format_weight, overlong_buffer=cfg.reward.overlong_buffer)
+    problems = stream.take(cfg.rollout.prompts_per_step)
+
+    def sample_and_score(batch: list[Problem], attempt: int):
+        groups = sampler.sample(
+            [p.prompt for p in batch], weights_dir=weights_dir, content_id=content_id, step=step, attempt=attempt,
+            seed=cfg.run.seed * 1_000_003 + step * 101 + attempt,
+        )
+        scored = [
+            score([(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples], p.gold, reward_cfg, verifier, cfg.rollout.max_tokens)
+            for p, g in zip(batch, groups, strict=True)
+        ]
+        return groups, scored
+
+    groups, breakdowns = sample_and_score(problems, 0)
+    dead = [i for i, b in enumerate(breakdowns) if _is_dead(b)]
+    dead_initial, retries = len(dead), 0
+    for attempt in range(1, cfg.loss.dead_group_retries + 1):
+        if not dead:
+            break
+        fresh = stream.take(len(dead))
+        new_groups, new_breakdowns = sample_and_score(fresh, attempt)
+        retries += 1
+        still_dead = []
+        for slot, problem, group, scored in zip(dead, fresh, new_groups, new_breakdowns):
+            if _is_dead(scored):
+                still_dead.append(slot)
+            else:
+                problems[slot], groups[slot], breakdowns[slot] = problem, group, scored
+        dead = still_dead
+    rewards = torch.tensor([[b.total for b in group] for group in breakdowns], dtype=torch.float32)
+    advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
+    return StepRollouts(problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries, time.monotonic() - started)
+
+
+def _is_dead(breakdowns: list[RewardBreakdown]) -> bool:
+    return len({b.total for b in breakdowns}) == 1
+
+
+def summarize(r: StepRollouts) -> dict:
+    flat = [b for group in r.breakdowns for b in group]
+    lengths = [len(s.token_ids) for g in r.groups for s in g.samples]
+    return {
+        "reward_mean": float(r.rewards.mean()),
+        "reward_std": float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
+        "accuracy": sum(b.correct for b in flat) / len(flat),
+        "format_rate": sum(b.format_ok for b in flat) / len(flat),
+        "response_length": sum(lengths) / len(lengths),
+        "dead_groups": r.dead_initial,
+        "dead_groups_after_retry": r.dead_final,
+        "retries": r.retries,
+        "rollout_s": r.rollout_s,
+    }
