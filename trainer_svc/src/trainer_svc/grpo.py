@@ -91,7 +91,7 @@ def group_advantages(rewards: Tensor, norm: AdvantageNorm, eps: float = 1e-6) ->
 def _upcast(logits: Tensor) -> Tensor:
     # bf16 has 8 mantissa bits: a bf16 log-softmax is off by ~1e-2, more than the log-ratio
     # differences PPO clips at. float64 inputs stay float64.
-    return logits
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
