@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from decimal import Decimal
 from multiprocessing import get_context
 
 from protocol.evaluation import extract_number, normalise_number
@@ -194,7 +194,7 @@ class Verifier:
             return None
         if isinstance(a, int) and isinstance(b, int):
             return a == b
-        return math.isclose(a, b, rel_tol=self.rel_tol, abs_tol=1e-12)
+        return abs(a - b) <= Decimal(repr(self.rel_tol)) * max(abs(a), abs(b))
 
     def _ask_worker(self, predicted: str, gold: str) -> bool:
         if self._pool is None:
@@ -232,11 +232,12 @@ class Verifier:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _as_number(text: str) -> int | float | None:
+def _as_number(text: str) -> int | Decimal | None:
+    """Exact values (no float rounding or overflow, however many digits a model writes)."""
     if _INTEGER.fullmatch(text):
         return int(text)
     if _DECIMAL.fullmatch(text):
-        return float(text)
+        return Decimal(text)
     return None
 
 
@@ -324,7 +325,7 @@ def ceiling_check(problems: Sequence[Problem], verifier: Verifier) -> dict:
     return {"perfect_rate": perfect / n, "wrong_rate": wrong / n, "n": n}
 
 
-def _gold_number(gold: str) -> int | float | None:
+def _gold_number(gold: str) -> int | Decimal | None:
     canonical = _normalise_answer(gold)
     return None if canonical is None else _as_number(canonical)
 

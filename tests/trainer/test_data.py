@@ -1,0 +1,289 @@
+"""Training data: the arithmetic task, JSONL prompt files and their errors, split, PromptStream."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer_svc.data import (
+    DataError,
+    Problem,
+    PromptStream,
+    arithmetic_problems,
+    read_gsm8k,
+    read_prompt_file,
+    split,
+)
+
+
+def write_lines(path, lines) -> str:
+    """Write rows (dicts as JSON, strings as they are) one per line."""
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def problems(n: int) -> list[Problem]:
+    return [Problem(f"p{i}", f"{i}+0=", str(i)) for i in range(n)]
+
+
+# -- arithmetic_problems -------------------------------------------------------------------------
+
+
+def test_arithmetic_defaults_are_every_sum_of_0_to_20():
+    got = arithmetic_problems()
+    assert len(got) == 21 * 21
+    assert got[0] == Problem("add-0-0", "0+0=", "0")
+    assert got[-1] == Problem("add-20-20", "20+20=", "40")
+    assert Problem("add-3-17", "3+17=", "20") in got
+
+
+def test_arithmetic_order_is_op_then_a_then_b():
+    got = arithmetic_problems(1, 2, "*+")
+    assert [p.id for p in got] == [
+        "mul-1-1", "mul-1-2", "mul-2-1", "mul-2-2",
+        "add-1-1", "add-1-2", "add-2-1", "add-2-2",
+    ]  # fmt: skip
+
+
+def test_arithmetic_golds_are_exact_results_in_the_answer_format():
+    got = arithmetic_problems(0, 12, "+-*")
+    assert len(got) == 3 * 13 * 13
+    assert len({p.id for p in got}) == len(got)
+    for p in got:
+        name, a, b = p.id.split("-")
+        op, expected = {"add": ("+", int(a) + int(b)), "sub": ("-", int(a) - int(b)), "mul": ("*", int(a) * int(b))}[name]
+        assert p.prompt == f"{a}{op}{b}="
+        assert p.gold == str(expected)
+    assert Problem("sub-3-12", "3-12=", "-9") in got
+    assert Problem("mul-12-11", "12*11=", "132") in got
+
+
+def test_arithmetic_prompts_use_only_characters_of_the_task():
+    assert set("".join(p.prompt + p.gold for p in arithmetic_problems(0, 20, "+-*"))) <= set("0123456789+-*=")
+
+
+def test_arithmetic_is_deterministic_and_a_single_value_range_works():
+    assert arithmetic_problems(0, 5, "+-") == arithmetic_problems(0, 5, "+-")
+    assert arithmetic_problems(7, 7, "-") == [Problem("sub-7-7", "7-7=", "0")]
+
+
+@pytest.mark.parametrize(
+    "low, high, ops, message",
+    [(5, 4, "+", "low <= high"), (-1, 3, "+", "0 <= low"), (0, 3, "/", "ops"), (0, 3, "++", "ops"), (0, 3, "", "ops")],
+)
+def test_arithmetic_rejects_bad_arguments(low, high, ops, message):
+    with pytest.raises(ValueError, match=message):
+        arithmetic_problems(low, high, ops)
+
+
+# -- reading prompt files ------------------------------------------------------------------------
+
+
+def test_gsm8k_rows_with_template_and_normalised_golds(tmp_path):
+    path = write_lines(
+        tmp_path / "gsm8k.jsonl",
+        [
+            {"question": "How many?", "answer": "3 * 4 = 12\n#### 1,234"},
+            "",
+            {"question": "And now?", "answer": "#### 42.0", "extra": [1]},
+        ],
+    )
+    got = read_gsm8k(path, template="Q: {question}\nA:")
+    assert got == [
+        Problem("gsm8k-1", "Q: How many?\nA:", "1234"),
+        Problem("gsm8k-3", "Q: And now?\nA:", "42"),
+    ]
+
+
+def test_prompt_gold_rows_accept_strings_and_numbers(tmp_path):
+    path = write_lines(
+        tmp_path / "tasks.jsonl",
+        [{"prompt": "2+2=", "gold": 4}, {"prompt": "half", "gold": "0.5"}, {"prompt": "big", "gold": " 1,000 "}],
+    )
+    assert read_prompt_file(path) == [
+        Problem("tasks-1", "2+2=", "4"),
+        Problem("tasks-2", "half", "0.5"),
+        Problem("tasks-3", "big", "1000"),
+    ]
+
+
+def test_both_readers_accept_both_shapes_in_one_file(tmp_path):
+    path = write_lines(tmp_path / "mixed.jsonl", [{"question": "q", "answer": "#### 1"}, {"prompt": "p", "gold": "2"}])
+    expected = [Problem("mixed-1", "q", "1"), Problem("mixed-2", "p", "2")]
+    assert read_gsm8k(path) == expected
+    assert read_prompt_file(path) == expected
+
+
+BAD_ROWS = [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('"text"', "expected a JSON object, got str"),
+    ({"text": "hi"}, "expected keys"),
+    ({"question": "q", "answer": "#### 1", "prompt": "p"}, "mixes GSM8K keys"),
+    ({"question": "q"}, "missing 'answer'"),
+    ({"answer": "#### 1"}, "missing 'question'"),
+    ({"question": "q", "answer": "42"}, "no '#### <number>' line"),
+    ({"question": "q", "answer": "so ####  "}, "'####'"),
+    ({"question": "q", "answer": "#### forty"}, "'####'"),
+    ({"question": 7, "answer": "#### 1"}, "'question' must be a string, got int"),
+    ({"question": "  ", "answer": "#### 1"}, "'question' is empty"),
+    ({"prompt": "p"}, "missing 'gold'"),
+    ({"gold": "1"}, "missing 'prompt'"),
+    ({"prompt": "", "gold": "1"}, "'prompt' is empty"),
+    ({"prompt": "p", "gold": True}, "'gold' must be a string or a number, got bool"),
+    ({"prompt": "p", "gold": [1]}, "'gold' must be a string or a number, got list"),
+    ({"prompt": "p", "gold": None}, "'gold' must be a string or a number, got NoneType"),
+    ({"prompt": "p", "gold": " "}, "gold answer is empty"),
+]
+
+
+@pytest.mark.parametrize("reader", [read_gsm8k, read_prompt_file])
+@pytest.mark.parametrize("row, message", BAD_ROWS)
+def test_bad_rows_name_file_line_and_problem(tmp_path, reader, row, message):
+    path = write_lines(tmp_path / "bad.jsonl", [{"prompt": "fine", "gold": "1"}, row])
+    with pytest.raises(DataError) as caught:
+        reader(path)
+    assert str(caught.value).startswith(f"{path}:2: ")
+    assert message in str(caught.value)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok", "gold": "1"}\n\n{"prompt": "caf\xe9", "gold": "1"}\n')
+    with pytest.raises(DataError, match=rf"^{path}:3: not UTF-8"):
+        read_gsm8k(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"])
+def test_a_file_without_rows_is_an_error(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match=rf"^{path}: no rows$"):
+        read_prompt_file(path)
+
+
+def test_data_error_is_a_value_error():
+    assert issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize("template", ["{prompt}", "{0}", "{question"])
+def test_a_template_with_other_fields_is_refused(tmp_path, template):
+    path = write_lines(tmp_path / "g.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(ValueError, match="template"):
+        read_gsm8k(path, template=template)
+
+
+# -- split ---------------------------------------------------------------------------------------
+
+
+def test_split_partitions_and_keeps_order():
+    items = problems(50)
+    train, held = split(items, held_out=10, seed=3)
+    assert len(train) == 40 and len(held) == 10
+    assert sorted(train + held, key=items.index) == items
+    assert train == sorted(train, key=items.index) and held == sorted(held, key=items.index)
+
+
+def test_split_is_deterministic_per_seed():
+    items = problems(50)
+    assert split(items, 10, seed=3) == split(list(items), 10, seed=3)
+    assert split(items, 10, seed=3)[1] != split(items, 10, seed=4)[1]
+
+
+def test_split_edges():
+    items = problems(5)
+    assert split(items, 0, seed=0) == (items, [])
+    train, held = split(items, 4, seed=0)
+    assert len(train) == 1 and len(held) == 4
+
+
+@pytest.mark.parametrize("held_out", [-1, 5, 6])
+def test_split_rejects_sizes_that_leave_no_training_set(held_out):
+    with pytest.raises(ValueError, match="held_out"):
+        split(problems(5), held_out, seed=0)
+
+
+# -- PromptStream --------------------------------------------------------------------------------
+
+
+def test_each_epoch_is_the_documented_seeded_shuffle():
+    items = problems(7)
+    stream = PromptStream(items, seed=11)
+    for epoch in range(3):
+        order = list(range(7))
+        random.Random(11 + epoch).shuffle(order)
+        assert stream.take(7) == [items[i] for i in order]
+    assert stream.epoch == 2  # the next epoch starts with the next take
+    stream.take(1)
+    assert stream.epoch == 3
+
+
+def test_epochs_are_permutations_in_different_orders():
+    items = problems(30)
+    stream = PromptStream(items, seed=0)
+    first, second = stream.take(30), stream.take(30)
+    assert sorted(first, key=items.index) == items == sorted(second, key=items.index)
+    assert first != second and first != items
+
+
+def test_take_crosses_epochs_and_matches_iteration():
+    items = problems(4)
+    assert PromptStream(items, seed=5).take(10) == list(itertools.islice(PromptStream(items, seed=5), 10))
+
+
+def test_take_zero_and_negative():
+    stream = PromptStream(problems(3), seed=0)
+    assert stream.take(0) == []
+    assert stream.state_dict()["cursor"] == 0
+    with pytest.raises(ValueError, match="n must be"):
+        stream.take(-1)
+
+
+def test_an_empty_stream_is_refused():
+    with pytest.raises(ValueError, match="at least one problem"):
+        PromptStream([], seed=0)
+
+
+def test_state_dict_is_plain_json():
+    stream = PromptStream(problems(3), seed=9)
+    stream.take(4)
+    assert json.loads(json.dumps(stream.state_dict())) == {"epoch": 1, "cursor": 1, "seed": 9, "size": 3}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    size=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+    before=st.lists(st.integers(0, 12), max_size=5),
+    after=st.lists(st.integers(0, 12), max_size=5),
+)
+def test_a_restored_stream_continues_exactly_where_the_original_would(size, seed, before, after):
+    items = problems(size)
+    uninterrupted = PromptStream(items, seed=seed)
+    expected = [uninterrupted.take(n) for n in before + after]
+
+    original = PromptStream(items, seed=seed)
+    got = [original.take(n) for n in before]
+    state = json.loads(json.dumps(original.state_dict()))
+    restored = PromptStream(items, seed=seed + 1)  # the state's seed must win
+    restored.load_state_dict(state)
+    got += [restored.take(n) for n in after]
+    assert got == expected
+
+
+def test_loading_a_state_for_another_problem_list_is_refused():
+    state = PromptStream(problems(3), seed=0).state_dict()
+    with pytest.raises(ValueError, match="state is for 3 problems"):
+        PromptStream(problems(4), seed=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("change", [{"cursor": 4}, {"cursor": -1}, {"epoch": -1}])
+def test_loading_an_out_of_range_state_is_refused(change):
+    state = dict(PromptStream(problems(3), seed=0).state_dict(), **change)
+    with pytest.raises(ValueError, match="out of range"):
+        PromptStream(problems(3), seed=0).load_state_dict(state)

@@ -1,0 +1,329 @@
+"""Rewards: answer extraction, format, DAPO's overlong penalty, scoring, the verifier (numeric,
+math-verify in a worker process, timeouts) and the ceiling check."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from trainer_svc.data import Problem, arithmetic_problems
+from trainer_svc.rewards import (
+    RewardBreakdown,
+    RewardConfig,
+    Verifier,
+    ceiling_check,
+    extract_answer,
+    format_ok,
+    overlong_penalty,
+    score,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# Stand-ins for math-verify. They run in the verifier's worker process, so they live at module
+# level (the worker imports this module to find them).
+
+
+def slow_when_asked(predicted: str, gold: str) -> bool:
+    if predicted == "slow":
+        time.sleep(30)
+    return True
+
+
+def always_equal(predicted: str, gold: str) -> bool:
+    return True
+
+
+def broken_checker(predicted: str, gold: str) -> bool:
+    raise ArithmeticError(f"cannot judge {predicted!r}")
+
+
+class RejectsEverything(Verifier):
+    def verify(self, predicted, gold):
+        return False
+
+
+class AcceptsEverything(Verifier):
+    def verify(self, predicted, gold):
+        return True
+
+
+@pytest.fixture
+def numeric_verifier():
+    with Verifier(use_math_verify=False) as verifier:
+        yield verifier
+
+
+# -- extract_answer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("20", "20"),
+        ("-3", "-3"),
+        (" 7\n", "7"),
+        ("0", "0"),
+        ("The answer is 1,234.", "1234"),
+        ("it is 12.0 apples", "12"),
+        ("3 then 4 then 5", "5"),
+        ("#### 42", "42"),
+        ("3 + 4 = 7\n#### 7\nQuestion: what is 90 + 9?", "7"),
+        ("#### 5 and later #### 6", "6"),
+        ("#### $1,000.00", "1000"),
+        ("99\n#### no number here", None),
+        ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{ 2,500 }", "2500"),
+        ("\\boxed{2.50}", "2.50"),
+        ("\\boxed{x^{2}} and a later \\boxed{3", "x^{2}"),
+        ("\\boxed{12", "12"),
+        ("\\boxed{ }", None),
+        ("", None),
+        ("no digits", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+# -- format_ok -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, finish_reason, expected",
+    [
+        ("20", "stop", True),
+        ("-3", "stop", True),
+        (" 20\n", "stop", True),
+        ("20", "length", False),
+        ("20", "abort", False),
+        ("", "stop", False),
+        ("20 apples", "stop", False),
+        ("2-0", "stop", False),
+        ("+5", "stop", False),
+        ("1.5", "stop", False),
+    ],
+)
+def test_format_ok_default_is_a_bare_integer_that_ended_by_itself(text, finish_reason, expected):
+    assert format_ok(text, finish_reason) is expected
+
+
+def test_format_ok_takes_another_pattern():
+    assert format_ok("work\n#### 12", "stop", pattern=r"(?s).*#### -?\d+")
+    assert not format_ok("12", "stop", pattern=r"(?s).*#### -?\d+")
+
+
+# -- overlong_penalty ----------------------------------------------------------------------------
+
+
+def dapo_reference(length: int, max_tokens: int, buffer: int) -> float:
+    """DAPO eq. 13, written out case by case."""
+    if length <= max_tokens - buffer:
+        return 0.0
+    if length <= max_tokens:
+        return ((max_tokens - buffer) - length) / buffer
+    return -1.0
+
+
+@pytest.mark.parametrize(
+    "length, expected", [(0, 0.0), (15, 0.0), (16, 0.0), (17, -0.25), (18, -0.5), (19, -0.75), (20, -1.0), (21, -1.0)]
+)
+def test_overlong_penalty_at_the_boundaries(length, expected):
+    assert overlong_penalty(length, max_tokens=20, buffer=4) == expected
+    assert overlong_penalty(length, max_tokens=20, buffer=4) == dapo_reference(length, 20, 4)
+
+
+def test_overlong_penalty_buffer_zero_disables_it():
+    assert [overlong_penalty(n, max_tokens=4, buffer=0) for n in (0, 4, 5, 100)] == [0.0] * 4
+
+
+def test_overlong_penalty_buffer_as_long_as_the_cap():
+    assert [overlong_penalty(n, max_tokens=4, buffer=4) for n in range(6)] == [0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("buffer", [-1, 5])
+def test_overlong_penalty_rejects_buffers_outside_the_cap(buffer):
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(1, max_tokens=4, buffer=buffer)
+
+
+# -- score ---------------------------------------------------------------------------------------
+
+
+def test_default_rewards_are_exactly_zero_or_one(numeric_verifier):
+    samples = [("20", "stop", 3), ("21", "stop", 3), ("20", "length", 4), ("twenty", "stop", 4), ("", "length", 4)]
+    got = score(samples, "20", RewardConfig(), numeric_verifier, max_tokens=4)
+    assert [r.total for r in got] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert [r.correct for r in got] == [True, False, True, False, False]
+    assert [r.format_ok for r in got] == [True, True, False, False, False]
+    assert [r.overlong for r in got] == [0.0] * 5
+
+
+def test_shaped_rewards_only_subtract(numeric_verifier):
+    cfg = RewardConfig(correct=2.0, format_weight=0.5, overlong_buffer=2, overlong_weight=0.8)
+    samples = [
+        ("20", "stop", 2),  # correct, well formed, short: exactly cfg.correct
+        ("so 20", "stop", 2),  # correct, badly formed
+        ("21", "stop", 3),  # wrong, well formed, half-way into the buffer
+        ("2", "length", 4),  # wrong, cut off at the cap
+        ("20", "stop", 4),  # correct but as long as the cap
+    ]
+    got = score(samples, "20", cfg, numeric_verifier, max_tokens=4)
+    assert got == [
+        RewardBreakdown(2.0, True, True, 0.0),
+        RewardBreakdown(1.5, True, False, 0.0),
+        RewardBreakdown(-0.4, False, True, -0.5),
+        RewardBreakdown(-1.3, False, False, -1.0),
+        RewardBreakdown(1.2, True, True, -1.0),
+    ]
+    assert max(r.total for r in got) == cfg.correct
+
+
+def test_score_of_no_samples_is_empty(numeric_verifier):
+    assert score([], "1", RewardConfig(), numeric_verifier, max_tokens=4) == []
+
+
+@pytest.mark.parametrize("field", ["format_weight", "overlong_weight", "overlong_buffer"])
+def test_reward_config_refuses_negative_shaping(field):
+    with pytest.raises(ValueError, match=field):
+        RewardConfig(**{field: -1})
+
+
+# -- Verifier: numbers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "predicted, gold, expected",
+    [
+        ("20", "20", True),
+        ("21", "20", False),
+        ("-9", "-9", True),
+        ("9", "-9", False),
+        ("-0", "0", True),
+        ("1,234.0", "1234", True),
+        ("4.0", "4", True),
+        ("4.5", "4", False),
+        ("0.3333333", "0.333333", True),  # within the relative tolerance
+        ("0.33", "0.333333", False),
+        (str(10**20 + 1), str(10**20), False),  # integers compare exactly, not as floats
+        ("9" * 400, "1.5", False),  # no float overflow
+        ("9" * 400 + ".5", "9" * 400, True),
+        ("2.5000001", "2.5", True),
+        ("2.51", "2.5", False),
+        (None, "1", False),
+        ("", "1", False),
+        ("  ", "", False),
+        ("x+1", "x+1", True),  # equal strings need no second opinion
+        ("\\frac{1}{2}", "0.5", False),  # needs math-verify, which this verifier does not use
+    ],
+)
+def test_numeric_verdicts(numeric_verifier, predicted, gold, expected):
+    assert numeric_verifier.verify(predicted, gold) is expected
+    assert numeric_verifier.second_opinions == 0
+
+
+def test_plain_numbers_never_go_to_the_worker():
+    with Verifier(_second_opinion=always_equal) as verifier:
+        assert not verifier.verify("3", "4")
+        assert not verifier.verify("3.5", "4")
+        assert verifier.second_opinions == 0
+
+
+# -- Verifier: the second opinion ----------------------------------------------------------------
+
+
+def test_math_verify_gives_a_second_opinion():
+    pytest.importorskip("math_verify")
+    with Verifier() as verifier:
+        assert verifier.has_second_opinion
+        assert verifier.verify("\\frac{1}{2}", "0.5")
+        assert not verifier.verify("\\frac{1}{3}", "0.5")
+        assert verifier.verify("\\sqrt{4}", "2")
+        assert verifier.second_opinions == 3 and verifier.timeouts == 0
+
+
+def test_without_math_verify_installed_it_is_numeric_only(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # `import math_verify` now fails
+    with Verifier() as verifier:
+        assert not verifier.has_second_opinion
+        assert not verifier.verify("\\frac{1}{2}", "0.5")
+        assert verifier.verify("4.0", "4")
+        assert verifier.second_opinions == 0
+
+
+def test_math_verify_can_be_turned_off():
+    with Verifier(use_math_verify=False) as verifier:
+        assert not verifier.has_second_opinion
+
+
+def test_a_slow_second_opinion_times_out_and_the_worker_is_replaced():
+    with Verifier(timeout_s=0.5, _second_opinion=slow_when_asked) as verifier:
+        assert verifier.verify("quick", "x")  # starts the worker outside the timed call
+        started = time.monotonic()
+        assert verifier.verify("slow", "x") is False
+        elapsed = time.monotonic() - started
+        assert 0.5 <= elapsed < 1.5
+        assert verifier.timeouts == 1
+        assert verifier.verify("quick", "x")  # a fresh worker answers
+        assert verifier.timeouts == 1 and verifier.second_opinions == 3
+
+
+def test_errors_of_the_second_opinion_propagate():
+    with Verifier(_second_opinion=broken_checker) as verifier:
+        with pytest.raises(ArithmeticError, match="cannot judge 'y'"):
+            verifier.verify("y", "x")
+
+
+def test_close_is_idempotent_and_the_verifier_still_works_after_it():
+    verifier = Verifier(_second_opinion=always_equal)
+    verifier.close()
+    assert verifier.verify("y", "x")
+    verifier.close()
+    verifier.close()
+    assert verifier.verify("y", "x")
+    verifier.close()
+
+
+# -- ceiling_check -------------------------------------------------------------------------------
+
+
+def test_ceiling_on_arithmetic_is_perfect(numeric_verifier):
+    problems = arithmetic_problems(0, 20, "+-*")
+    assert ceiling_check(problems, numeric_verifier) == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": len(problems)}
+
+
+def test_ceiling_with_decimal_golds(numeric_verifier):
+    problems = [Problem("a", "?", "2.5"), Problem("b", "?", "-0.25")]
+    assert ceiling_check(problems, numeric_verifier) == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": 2}
+
+
+def test_ceiling_of_a_verifier_that_accepts_nothing_is_zero():
+    result = ceiling_check(arithmetic_problems(0, 3), RejectsEverything(use_math_verify=False))
+    assert result == {"perfect_rate": 0.0, "wrong_rate": 0.0, "n": 16}
+
+
+def test_ceiling_catches_a_verifier_that_accepts_wrong_answers():
+    result = ceiling_check(arithmetic_problems(0, 3), AcceptsEverything(use_math_verify=False))
+    assert result == {"perfect_rate": 1.0, "wrong_rate": 1.0, "n": 16}
+
+
+def test_ceiling_catches_a_lax_tolerance():
+    problems = [Problem("a", "?", "2.5"), Problem("b", "?", "7")]
+    with Verifier(use_math_verify=False, rel_tol=0.5) as lax:
+        assert ceiling_check(problems, lax) == {"perfect_rate": 1.0, "wrong_rate": 0.5, "n": 2}
+
+
+def test_ceiling_with_non_numeric_golds_through_math_verify():
+    pytest.importorskip("math_verify")
+    problems = [Problem("half", "?", "\\frac{1}{2}"), Problem("poly", "?", "x^2+1"), Problem("n", "?", "7")]
+    with Verifier() as verifier:
+        assert ceiling_check(problems, verifier) == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": 3}
+        assert verifier.second_opinions == 2  # the two wrong non-numeric answers; the rest are decided here
+
+
+def test_ceiling_of_no_problems_is_an_error(numeric_verifier):
+    with pytest.raises(ValueError, match="at least one problem"):
+        ceiling_check([], numeric_verifier)
