@@ -134,7 +134,7 @@ def test_prune_removes_only_old_entries(spool):
     result = invoke(spool, "prune", "--older-than", "1d")
     assert result.exit_code == 0 and "removed 0 from done/, 0 from tmp/" in result.output
     two_days_later = time.time() + 2 * 86400
-    assert spool.prune(done_older_than_s=86400, now=two_days_later) == {"done": 1, "tmp": 1}
+    assert spool.prune(done_older_than_s=86400, now=two_days_later) == {"done": 1, "tmp": 1, "workers": 0}
     assert os.listdir(spool.done) == [] and os.listdir(spool.tmp) == []
 
 

@@ -499,13 +499,23 @@ def test_prune_removes_old_done_and_tmp_entries_only(spool):
         young = directory / "young.json"
         young.write_bytes(b"")
         os.utime(young, (now + 100, now + 100))  # written "later": max(ctime, mtime) is what counts
-    assert spool.prune(done_older_than_s=50, tmp_older_than_s=50, now=now + 10) == {"done": 0, "tmp": 0}
-    assert spool.prune(done_older_than_s=50, tmp_older_than_s=500, now=now + 60) == {"done": 1, "tmp": 0}
+    assert spool.prune(done_older_than_s=50, tmp_older_than_s=50, now=now + 10) == {"done": 0, "tmp": 0, "workers": 0}
+    assert spool.prune(done_older_than_s=50, tmp_older_than_s=500, now=now + 60) == {"done": 1, "tmp": 0, "workers": 0}
     assert sorted(os.listdir(spool.done)) == ["young.json"]
     assert sorted(os.listdir(spool.tmp)) == ["old.json", "young.json"]
-    assert spool.prune(done_older_than_s=50, tmp_older_than_s=500, now=now + 700) == {"done": 1, "tmp": 2}
+    assert spool.prune(done_older_than_s=50, tmp_older_than_s=500, now=now + 700) == {"done": 1, "tmp": 2, "workers": 0}
     assert os.listdir(spool.done) == [] and os.listdir(spool.tmp) == []
     assert os.listdir(spool.results) == ["old.json"] and os.listdir(spool.requests) == ["old.json"]
+
+
+def test_prune_removes_status_files_of_long_dead_workers_only(spool):
+    now = time.time()
+    for worker_id, silent_for in (("gone", 2 * 86400), ("alive", 1)):
+        path = spool.workers / f"{worker_id}.json"
+        path.write_bytes(b"{}")
+        os.utime(path, (now - silent_for, now - silent_for))  # the heartbeat is the mtime
+    assert spool.prune(done_older_than_s=10**9, dead_workers_older_than_s=86400, now=now)["workers"] == 1
+    assert os.listdir(spool.workers) == ["alive.json"]
 
 
 def test_entries_by_state(spool, make_request):

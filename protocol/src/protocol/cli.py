@@ -179,7 +179,7 @@ def prune(
     """Delete old entries of done/ and leftover scratch files of tmp/."""
     spool = _open(spool_dir)
     removed = spool.prune(done_older_than_s=parse_duration(older_than), tmp_older_than_s=parse_duration(tmp_older_than))
-    typer.echo(f"removed {removed['done']} from done/, {removed['tmp']} from tmp/")
+    typer.echo(f"removed {removed['done']} from done/, {removed['tmp']} from tmp/, {removed['workers']} dead workers' status files")
 
 
 @app.command()

@@ -183,9 +183,10 @@ class Spool:
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
             raise RequestExists(f"request ids {repeated} appear more than once in this batch")
+        claimed = {split_claimed_name(e.name)[0] for e in _scan(self.claimed)}  # listed once per batch
         for request in requests:
             validate(request)
-            found = self.locate(request.request_id)
+            found = self.locate(request.request_id, claimed_names=claimed)
             if found:
                 raise RequestExists(
                     f"request id {request.request_id!r} is already used in {self.root} "
@@ -232,8 +233,9 @@ class Spool:
             self.done / f"{request_id}{_RESULT_SUFFIX}"
         )
 
-    def locate(self, request_id: str) -> list[Path]:
-        """Every file of this request id, in any state."""
+    def locate(self, request_id: str, claimed_names: set[str] | None = None) -> list[Path]:
+        """Every file of this request id, in any state. `claimed_names` (original names of the
+        entries in claimed/) saves a listing when many ids are located at once."""
         candidates = [
             self.requests / f"{request_id}.json",
             self.results / f"{request_id}.json",
@@ -242,7 +244,8 @@ class Spool:
             self.bad / f"{request_id}.json",
         ]
         found = [p for p in candidates if os.path.lexists(p)]
-        found += [e.path for e in _scan(self.claimed) if split_claimed_name(e.name)[0] == f"{request_id}.json"]
+        if claimed_names is None or f"{request_id}.json" in claimed_names:
+            found += [e.path for e in _scan(self.claimed) if split_claimed_name(e.name)[0] == f"{request_id}.json"]
         return found
 
     # -- workers -------------------------------------------------------------------------------
@@ -335,10 +338,29 @@ class Spool:
             scratch = self.tmp / fsio.scratch_name(result.request_id)
             # Compact: results carry [prompt][sample][token] lists; `spoolctl show` pretty-prints.
             fsio.write_synced(scratch, encode(result))
-            published.append(fsio.link_no_replace(scratch, self.results / f"{result.request_id}.json"))
+            final = self.results / f"{result.request_id}.json"
+            linked = fsio.link_no_replace(scratch, final)
+            published.append(linked and not self._superseded_by_consumed(final, result.request_id))
         if any(published):
             fsio.fsync_dir(self.results)
         return published
+
+    def _superseded_by_consumed(self, final: Path, request_id: str) -> bool:
+        """A result a producer already consumed (moved to done/) still wins over ours: a late
+        duplicate execution must not publish a second result. If the consumed file is the one
+        we just linked (consumed in between), ours stands."""
+        try:
+            consumed = os.stat(self.done / f"{request_id}{_RESULT_SUFFIX}")
+        except FileNotFoundError:
+            return False
+        try:
+            ours = os.stat(final)
+        except FileNotFoundError:  # ours was consumed already: it is the one in done/
+            return False
+        if (consumed.st_dev, consumed.st_ino) == (ours.st_dev, ours.st_ino):
+            return False
+        os.unlink(final)
+        return True
 
     def finish(self, claim: Claim) -> None:
         """Archive a served claim in done/. Its result must already be published."""
@@ -438,15 +460,22 @@ class Spool:
             raise ValueError(f"unknown state {state!r}; one of {', '.join(STATES)}")
         return sorted(_scan(self.root / state), key=lambda e: (e.mtime, e.name))
 
-    def prune(self, *, done_older_than_s: float, tmp_older_than_s: float = 3600.0, now: float | None = None) -> dict[str, int]:
-        """Delete done/ entries archived more than `done_older_than_s` ago and tmp/ leftovers
-        older than `tmp_older_than_s` (a writer needs well under a second for a scratch file)."""
+    def prune(
+        self, *, done_older_than_s: float, tmp_older_than_s: float = 3600.0, dead_workers_older_than_s: float = 86400.0, now: float | None = None
+    ) -> dict[str, int]:
+        """Delete done/ entries archived more than `done_older_than_s` ago, tmp/ leftovers
+        older than `tmp_older_than_s` (a writer needs well under a second for a scratch file),
+        and status files of workers silent for `dead_workers_older_than_s` (killed workers
+        leave theirs; a live worker rewrites its own every few seconds)."""
         now = time.time() if now is None else now
-        removed = {"done": 0, "tmp": 0}
-        for state, age_limit in (("done", done_older_than_s), ("tmp", tmp_older_than_s)):
+        removed = {"done": 0, "tmp": 0, "workers": 0}
+        limits = (("done", done_older_than_s), ("tmp", tmp_older_than_s), ("workers", dead_workers_older_than_s))
+        for state, age_limit in limits:
             for entry in _scan(self.root / state):
-                # ctime: when the entry was moved here (rename keeps mtime, sets ctime).
-                if now - max(entry.ctime, entry.mtime) > age_limit:
+                # ctime: when the entry was moved here (rename keeps mtime, sets ctime); a
+                # status file's age is its mtime, the heartbeat.
+                age = now - (entry.mtime if state == "workers" else max(entry.ctime, entry.mtime))
+                if age > age_limit:
                     try:
                         os.unlink(entry.path)
                         removed[state] += 1
