@@ -29,6 +29,8 @@ class RunConfig(Struct):
     seed: int = 0
     deterministic: bool = False  # torch deterministic algorithms (CPU): resumed runs repeat exactly
     max_wall_seconds: NonNegativeFloat = 0.0  # stop (resumable) at the first step boundary past this; 0: none
+    cpu_threads: NonNegative = 1  # torch threads per rank on CPU; 0: torch's default. On a small
+    # machine shared with a rollout worker, more threads than cores is many times slower.
 
 
 class ModelConfig(Struct):
@@ -180,4 +182,7 @@ def smoke_shape(config: Config) -> Config:
 
 
 def dump(config: Config) -> bytes:
-    return msgspec.toml.encode(config)
+    """TOML of the resolved config; sections that are not set (None) are left out, as TOML
+    has no null."""
+    data = msgspec.to_builtins(config)
+    return msgspec.toml.encode({k: v for k, v in data.items() if v is not None})

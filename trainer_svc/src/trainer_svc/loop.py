@@ -80,6 +80,8 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
     rollout service (tests use it for a deterministic sampler)."""
     dist_info = init_distributed()
     run_dir = cfg.run_dir
+    if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
+        torch.set_num_threads(cfg.run.cpu_threads)
     torch.manual_seed(cfg.run.seed + dist_info.rank)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -123,7 +125,9 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
                 if dist_info.is_main else None,
                 dist_info,
             )
+            train_started = time.monotonic()
             stats = learn(model, reference, optimizer, scheduler, rollouts, tokenizer, cfg, dist_info)
+            stats["train_s"] = time.monotonic() - train_started
             state.step += 1
             save_s = 0.0
             wall_exceeded = cfg.run.max_wall_seconds > 0 and time.monotonic() - started > cfg.run.max_wall_seconds

@@ -96,8 +96,8 @@ def run_sft(cfg: Config) -> dict:
             if step % sft.eval_every == 0:
                 probe = rng.sample(train_problems, min(sft.eval_problems, len(train_problems)))
                 accuracy = sampled_accuracy(model, tokenizer, probe, cfg.rollout.max_tokens, verifier.verify)
-                history.append({"step": step, "loss": float(loss), "sampled_accuracy": accuracy})
-                log.info("sft step %d: loss %.3f, sampled accuracy %.3f", step, float(loss), accuracy)
+                history.append({"step": step, "loss": float(loss.detach()), "sampled_accuracy": accuracy})
+                log.info("sft step %d: loss %.3f, sampled accuracy %.3f", step, float(loss.detach()), accuracy)
                 if accuracy >= sft.stop_at_accuracy:
                     break
     finally:

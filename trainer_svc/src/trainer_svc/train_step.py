@@ -61,7 +61,7 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
             loss = loss + cfg.loss.kl_coef * kl
             sums["kl"] += float(kl)
         (loss * scale).backward()
-        sums["loss"] += float(loss)
+        sums["loss"] += float(loss.detach())
         sums["entropy"] += float((weights * entropy.detach()).sum())
         sums["clip_low"] += float(stats["clip_fraction_low"]) * float(mb.mask.sum())
         sums["clip_high"] += float(stats["clip_fraction_high"]) * float(mb.mask.sum())

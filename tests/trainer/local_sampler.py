@@ -1,0 +1,53 @@
+"""A deterministic stand-in for the rollout service, for trainer tests that need exact
+repeatability (resume, rank splits): samples with transformers from the named weights, seeded
+by the request's seed, and reports the sampling logprobs as the engine would."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer_svc.rollout import Group, Sample
+
+
+class TorchSampler:
+    def __init__(self, cfg, launch_id: str = "test"):
+        self.cfg = cfg
+        self._cache: dict[tuple[str, str | None], tuple] = {}
+        self.requests: list[dict] = []
+
+    def _load(self, weights_dir: str, content_id: str | None):
+        key = (weights_dir, content_id)
+        if key not in self._cache:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            self._cache = {key: (AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(weights_dir))}
+        return self._cache[key]
+
+    @torch.no_grad()
+    def sample(self, prompts, *, weights_dir, content_id, step, attempt, seed):
+        self.requests.append({"weights_dir": weights_dir, "content_id": content_id, "step": step, "attempt": attempt})
+        model, tokenizer = self._load(weights_dir, content_id)
+        r = self.cfg.rollout
+        generator = torch.Generator().manual_seed(seed)
+        groups = []
+        for prompt in prompts:
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            samples = []
+            for _ in range(r.samples_per_prompt):
+                ids, tokens, logprobs, reason = list(prompt_ids), [], [], "length"
+                for _ in range(r.max_tokens):
+                    logits = model(torch.tensor([ids])).logits[0, -1].double() / r.temperature
+                    probs = torch.softmax(logits, -1)
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                    tokens.append(token)
+                    logprobs.append(float(torch.log(probs[token])))
+                    ids.append(token)
+                    if token == tokenizer.eos_token_id:
+                        reason = "stop"
+                        break
+                samples.append(Sample(tokens, logprobs, tokenizer.decode(tokens, skip_special_tokens=True), reason))
+            groups.append(Group(prompt_ids, samples))
+        return groups
+
+    def close(self) -> None:
+        self._cache.clear()
