@@ -1,7 +1,8 @@
 # Two separate virtual environments, one per service; protocol is installed in both.
 # Every target creates what it needs and does nothing when it is already there.
 #
-#   make demo        the main job on the embedded default
+#   make demo        the main job on the embedded default (GRPO on a tiny model, CPU)
+#   make echo-smoke  a deployment check: an echo worker serving requests, no model
 #   make test        the whole test suite
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
 #   make tiny-model  a tiny Llama model with its own tokenizer, built offline, in build/
@@ -24,7 +25,7 @@ CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
 TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
-.PHONY: venvs tiny-model demo test bench clean
+.PHONY: venvs tiny-model demo echo-smoke test bench clean
 
 venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
@@ -45,14 +46,29 @@ $(TINY_MODEL)/config.json: $(ROLLOUT)/.installed
 	rm -rf $(TINY_MODEL)
 	$(ROLLOUT)/bin/rollout-svc tiny-model $(TINY_MODEL)
 
-demo: venvs
-	$(ROLLOUT)/bin/python scripts/demo.py
+DEMO_CONFIG := configs/demo.toml
+DEMO_RUN := runs/demo
 
+# The main job: warm-up (once), then GRPO with a vLLM worker through the spool, then the plot.
+# Run again, it resumes the run in runs/demo (remove that directory for a fresh one).
+demo: venvs tiny-model
+	test -d $(DEMO_RUN)/sft-model || $(TRAINER)/bin/trainer-svc sft $(DEMO_CONFIG)
+	$(TRAINER)/bin/trainer-svc train $(DEMO_CONFIG)
+	$(TRAINER)/bin/trainer-svc plot $(DEMO_RUN)
+
+echo-smoke: venvs
+	$(ROLLOUT)/bin/python scripts/echo_smoke.py
+
+# Two runs, one per venv: each service's tests import only what its venv holds.
 test: venvs
-	$(ROLLOUT)/bin/python -m pytest tests
+	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
+	$(TRAINER)/bin/python -m pytest tests/trainer
 
 bench: venvs
 	$(ROLLOUT)/bin/python bench/spool_roundtrip.py
+	$(ROLLOUT)/bin/python bench/vllm_reload.py
+	$(ROLLOUT)/bin/python bench/vllm_throughput.py
+	$(ROLLOUT)/bin/python bench/checkpoint_to_result.py
 
 clean:
 	rm -rf $(VENVS)

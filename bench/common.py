@@ -20,7 +20,7 @@ def build_models(root: Path, names: list[str], *, hidden: int, layers: int) -> d
     """Tiny models of one architecture, one seed per name."""
     from rollout_svc.tiny_model import build
 
-    return {name: build(root / name, seed=seed, hidden=hidden, layers=layers, intermediate=3 * hidden) for seed, name in enumerate(names)}
+    return {name: build(root / name, seed=seed, hidden=hidden, layers=layers, intermediate=3 * hidden, init_std=0.3) for seed, name in enumerate(names)}
 
 
 def parameter_count(model_dir: Path) -> int:

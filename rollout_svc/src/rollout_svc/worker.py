@@ -16,6 +16,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from protocol import exit_codes
 from protocol.messages import ErrorCode, MessageError, Request, Result, Timings
 from protocol.spool import Claim, ClaimLost, Spool, split_claimed_name
 from protocol.watch import Waker
@@ -28,9 +29,9 @@ from .status import Heartbeat
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_HEARTBEAT_LOST = 1
-EXIT_PRELOAD_FAILED = 2
+EXIT_OK = exit_codes.OK
+EXIT_HEARTBEAT_LOST = exit_codes.INTERNAL_ERROR  # systemd restarts it; others serve its claims
+EXIT_PRELOAD_FAILED = exit_codes.USAGE
 
 
 @dataclass

@@ -66,7 +66,15 @@ def train(config: ConfigArg, smoke: Annotated[bool, typer.Option(help="A tiny sh
     except (RolloutUnavailable, RolloutFailed) as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
     if code == exit_codes.OK:
-        typer.echo(f"done: {cfg.run_dir / 'stage_result.json'}; plot it with `trainer-svc plot {cfg.run_dir}`")
+        import json
+
+        s = json.loads((cfg.run_dir / "stage_result.json").read_text())["summary"]
+        if s.get("steps"):
+            typer.echo(
+                f"reward {s['reward_first']:.3f} (first 10 steps) -> {s['reward_last']:.3f} (last 10); "
+                f"accuracy {s['accuracy_last']:.3f}; {s['steps']} steps in {s['wall_s']:.0f} s"
+            )
+        typer.echo(f"results: {cfg.run_dir / 'stage_result.json'}, {cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`")
     raise typer.Exit(code)
 
 

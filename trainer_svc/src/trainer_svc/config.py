@@ -93,6 +93,10 @@ class RewardSection(Struct):
     correct: float = 1.0
     format_weight: NonNegativeFloat = 0.0
     overlong_buffer: NonNegative = 0  # DAPO soft overlong penalty width in tokens; 0: off
+    # A control experiment, off in real runs: each step's rewards are permuted across its
+    # samples, so updates happen with no reward signal. A run that still "learns" so is
+    # learning from something other than the reward.
+    shuffle_control: bool = False
 
 
 class CheckpointConfig(Struct):

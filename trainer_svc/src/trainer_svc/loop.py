@@ -102,7 +102,7 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
     log.info("BANNER %s", banner)
 
     sampler = None
-    if dist_info.is_main:
+    if dist_info.is_main and state.step < cfg.train.steps:
         launch_id = secrets.token_hex(3)
         if make_sampler is not None:
             sampler = make_sampler(cfg, launch_id)

@@ -83,6 +83,9 @@ def sample_step(
                 problems[slot], groups[slot], breakdowns[slot] = problem, group, scored
         dead = still_dead
     rewards = torch.tensor([[b.total for b in group] for group in breakdowns], dtype=torch.float32)
+    if cfg.reward.shuffle_control:
+        order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
+        rewards = rewards.flatten()[order].view_as(rewards)
     advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
     return StepRollouts(problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries, time.monotonic() - started)
 

@@ -1,6 +1,6 @@
 """The spool round trip with an echo worker: start a worker, submit requests, read results.
 
-Run by `make demo`. Shows, end to end on this machine, what a producer (the trainer, an eval
+Run by `make echo-smoke`: a deployment check without a model. Shows, end to end on this machine, what a producer (the trainer, an eval
 job) does: submit through the spool, wait with a deadline, and read each result.
 """
 
@@ -19,7 +19,7 @@ BIN = Path(sys.executable).parent
 
 
 def main() -> int:
-    spool_dir = ROOT / "runs" / "demo" / "spool"
+    spool_dir = ROOT / "runs" / "echo-smoke" / "spool"
     client = SpoolClient(spool_dir)
     worker = subprocess.Popen(
         [BIN / "rollout-svc", "serve", "--spool", spool_dir, "--engine", "echo", "--worker-id", "demo-echo", "--idle-exit", "60"],
