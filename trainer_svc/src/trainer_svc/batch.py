@@ -61,6 +61,8 @@ def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int) -> Batch
 def rank_share(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's contiguous share of the step's sequences (the count divides evenly: a gate
     checks prompts_per_step x G against world_size x grad_accum at launch)."""
+    if len(batch) % world_size:
+        raise ValueError(f"{len(batch)} sequences cannot be shared evenly by {world_size} ranks")
     per_rank = len(batch) // world_size
     return batch.select(slice(rank * per_rank, (rank + 1) * per_rank))
 

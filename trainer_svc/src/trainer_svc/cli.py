@@ -12,7 +12,7 @@ import typer
 
 from protocol import exit_codes
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO trainer using rollout workers through a spool.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="GRPO trainer using rollout workers through a spool.")
 
 ConfigArg = Annotated[Path, typer.Argument(help="Run config (TOML).")]
 

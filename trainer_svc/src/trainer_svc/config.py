@@ -147,6 +147,8 @@ def load(path: str | Path, *, smoke: bool = False) -> Config:
         config = msgspec.toml.decode(path.read_bytes(), type=Config)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from None
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except msgspec.DecodeError as exc:

@@ -80,6 +80,9 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
     rollout service (tests use it for a deterministic sampler)."""
     dist_info = init_distributed()
     run_dir = cfg.run_dir
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per checkpoint save would bury the run's own
     if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
     torch.manual_seed(cfg.run.seed + dist_info.rank)

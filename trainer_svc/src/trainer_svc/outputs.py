@@ -25,7 +25,10 @@ class MetricsLog:
     def __init__(self, run_dir: Path, resumed_step: int):
         self.path = run_dir / METRICS
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resumed_step]
+            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+            if lines and not _parses(lines[-1]):  # torn by a power cut or a full disk: redone anyway
+                lines.pop()
+            kept = [line for line in lines if json.loads(line)["step"] <= resumed_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
 
@@ -34,6 +37,14 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

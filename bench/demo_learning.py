@@ -1,0 +1,57 @@
+"""`make demo` from scratch, timed, with what it learned: the issue's targets for the main job.
+
+    .venvs/rollout/bin/python bench/demo_learning.py [--json OUT]
+
+Removes runs/demo and build/tiny-model, runs `make demo`, and reports the wall time (venvs
+already built), the GRPO stage's mean reward over its first and last 10 steps, and where a
+step's time goes. Targets: at most 15 minutes; last-10 mean at least 0.3 above first-10 mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_MINUTES = 15
+TARGET_GAIN = 0.3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    shutil.rmtree(ROOT / "runs" / "demo", ignore_errors=True)
+    shutil.rmtree(ROOT / "build" / "tiny-model", ignore_errors=True)
+    started = time.monotonic()
+    subprocess.run(["make", "demo"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    minutes = (time.monotonic() - started) / 60
+    result = json.loads((ROOT / "runs" / "demo" / "stage_result.json").read_text())
+    rows = [json.loads(line) for line in (ROOT / "runs" / "demo" / "metrics.jsonl").read_text().splitlines()]
+    s = result["summary"]
+    figures = {
+        "make_demo_minutes": round(minutes, 2),
+        "grpo_steps": s["steps"],
+        "reward_first_10": round(s["reward_first"], 3),
+        "reward_last_10": round(s["reward_last"], 3),
+        "gain": round(s["reward_gain"], 3),
+        "met": minutes <= TARGET_MINUTES and s["reward_gain"] >= TARGET_GAIN,
+        "median_step_s": round(statistics.median(r["step_s"] for r in rows), 3),
+        "median_rollout_s": round(statistics.median(r["rollout_s"] for r in rows), 3),
+        "median_train_s": round(statistics.median(r["train_s"] for r in rows), 3),
+        "median_save_s": round(statistics.median(r["save_s"] for r in rows), 3),
+        "mismatch_max": s["mismatch_max"],
+        "plot": str(ROOT / "runs" / "demo" / "training.png"),
+    }
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""What a run leaves behind: metrics.jsonl (cut back to the resumed step on reopen), the
+summary of its reward curve, and JSON files replaced atomically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer_svc.outputs import METRICS, MetricsLog, read_metrics, summary, write_json_atomic
+
+
+def log_steps(run_dir: Path, resumed_step: int, steps, **extra) -> None:
+    log = MetricsLog(run_dir, resumed_step)
+    for step in steps:
+        log.write({"step": step, **extra})
+    log.close()
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    return [row["step"] for row in read_metrics(run_dir)]
+
+
+def test_metrics_log_appends_one_line_per_step(tmp_path):
+    log = MetricsLog(tmp_path, 0)
+    log.write({"step": 1, "loss": 0.5})
+    # line-buffered: a step's row is on disk before the next step starts (a crash keeps it)
+    assert (tmp_path / METRICS).read_text() == '{"step": 1, "loss": 0.5}\n'
+    log.write({"step": 2, "loss": 0.25})
+    log.close()
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+
+
+def test_reopen_drops_the_steps_after_the_resumed_one(tmp_path):
+    log_steps(tmp_path, 0, range(1, 6), run="first")
+    # the run resumes from the checkpoint of step 3: steps 4 and 5 will be run again
+    log_steps(tmp_path, 3, range(4, 7), run="second")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["run"] for r in rows] == ["first"] * 3 + ["second"] * 3
+
+
+def test_reopen_at_step_zero_starts_over(tmp_path):
+    log_steps(tmp_path, 0, range(1, 4))
+    log_steps(tmp_path, 0, [1])
+    assert steps_of(tmp_path) == [1]
+
+
+def test_reopen_at_the_last_step_keeps_everything(tmp_path):
+    log_steps(tmp_path, 0, range(1, 4))
+    MetricsLog(tmp_path, 3).close()
+    assert steps_of(tmp_path) == [1, 2, 3]
+
+
+def test_reopen_skips_blank_lines(tmp_path):
+    (tmp_path / METRICS).write_text('{"step": 1}\n\n{"step": 2}\n')
+    log_steps(tmp_path, 1, [2])
+    assert (tmp_path / METRICS).read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_reopen_after_a_torn_last_line(tmp_path):
+    (tmp_path / METRICS).write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    log_steps(tmp_path, 2, [3])
+    assert steps_of(tmp_path) == [1, 2, 3]
+
+
+def test_read_metrics_without_a_file(tmp_path):
+    assert read_metrics(tmp_path / "never-ran") == []
+
+
+def rows(rewards: list[float]) -> list[dict]:
+    return [
+        {
+            "step": i + 1,
+            "reward_mean": r,
+            "accuracy": r / 2,
+            "mismatch_mean": 0.01 * (i + 1),
+            "mismatch_max": 0.1 * (i + 1),
+            "dead_groups": i % 3,
+            "dead_groups_after_retry": 1 if i == 4 else 0,
+            "step_s": 2.0,
+        }
+        for i, r in enumerate(rewards)
+    ]
+
+
+def test_summary_first_and_last_windows():
+    s = summary(rows([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]), window=3)
+    assert s["steps"] == 10
+    assert s["reward_first"] == pytest.approx((0.0 + 0.1 + 0.2) / 3)
+    assert s["reward_last"] == pytest.approx((0.7 + 0.8 + 0.9) / 3)
+    assert s["reward_gain"] == pytest.approx(0.7)
+    assert s["accuracy_last"] == pytest.approx(0.4)
+    assert s["mismatch_mean"] == pytest.approx(0.055)
+    assert s["mismatch_max"] == pytest.approx(1.0)
+    assert s["dead_groups"] == 0 + 1 + 2 + 0 + 1 + 2 + 0 + 1 + 2 + 0
+    assert s["dead_groups_after_retry"] == 1
+    assert s["wall_s"] == pytest.approx(20.0)
+
+
+def test_summary_with_fewer_rows_than_the_window():
+    s = summary(rows([0.2, 0.6]), window=10)
+    assert s["reward_first"] == s["reward_last"] == pytest.approx(0.4)
+    assert s["reward_gain"] == pytest.approx(0.0)
+    assert s["steps"] == 2
+
+
+def test_summary_of_a_falling_reward_is_a_negative_gain():
+    assert summary(rows([1.0] * 5 + [0.0] * 5), window=5)["reward_gain"] == pytest.approx(-1.0)
+
+
+def test_summary_of_nothing():
+    assert summary([]) == {"steps": 0}
+
+
+def test_write_json_atomic_replaces_and_leaves_no_partial(tmp_path):
+    path = tmp_path / "stage_result.json"
+    write_json_atomic(path, {"step": 1})
+    write_json_atomic(path, {"step": 2, "run_dir": tmp_path})  # paths are written as strings
+    assert json.loads(path.read_text()) == {"step": 2, "run_dir": str(tmp_path)}
+    assert [p.name for p in tmp_path.iterdir()] == ["stage_result.json"]
+
+
+def test_write_json_atomic_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "stage_result.json"
+    write_json_atomic(path, {"step": 1})
+    circular: dict = {"step": 2}
+    circular["self"] = circular
+    with pytest.raises(ValueError):
+        write_json_atomic(path, circular)
+    assert json.loads(path.read_text()) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["stage_result.json"]
