@@ -24,8 +24,8 @@ class TorchSampler:
         return self._cache[key]
 
     @torch.no_grad()
-    def sample(self, prompts, *, weights_dir, content_id, step, attempt, seed):
-        self.requests.append({"weights_dir": weights_dir, "content_id": content_id, "step": step, "attempt": attempt})
+    def sample(self, prompts, *, weights_dir, content_id, step, attempt, seed, n=None, temperature=None, tag="train"):
+        self.requests.append({"weights_dir": weights_dir, "content_id": content_id, "step": step, "attempt": attempt, "tag": tag})
         model, tokenizer = self._load(weights_dir, content_id)
         r = self.cfg.rollout
         generator = torch.Generator().manual_seed(seed)
@@ -33,12 +33,13 @@ class TorchSampler:
         for prompt in prompts:
             prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             samples = []
-            for _ in range(r.samples_per_prompt):
+            for _ in range(n or r.samples_per_prompt):
                 ids, tokens, logprobs, reason = list(prompt_ids), [], [], "length"
                 for _ in range(r.max_tokens):
-                    logits = model(torch.tensor([ids])).logits[0, -1].double() / r.temperature
-                    probs = torch.softmax(logits, -1)
-                    token = int(torch.multinomial(probs, 1, generator=generator))
+                    t = r.temperature if temperature is None else temperature
+                    logits = model(torch.tensor([ids])).logits[0, -1].double()
+                    probs = torch.softmax(logits / max(t, 1e-6), -1)
+                    token = int(probs.argmax()) if t == 0 else int(torch.multinomial(probs, 1, generator=generator))
                     tokens.append(token)
                     logprobs.append(float(torch.log(probs[token])))
                     ids.append(token)

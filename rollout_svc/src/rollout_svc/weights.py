@@ -4,19 +4,17 @@ A weights directory is an HF-format model: config.json, one or more .safetensors
 model.safetensors.index.json when sharded) and tokenizer files. Only safetensors are loaded:
 pickle-based formats (.bin, .pt) are refused, never opened.
 
-Content id: the trainer writes `manifest.json` with a `content_id` next to the weights; without
-one, the id is a hash of config.json and of each shard's name, size, inode and mtime, which
-changes whenever a shard is rewritten, so the same path with new content is still noticed.
+Content ids are protocol.content_id's: the manifest's, or a hash of the files' stat data.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.content_id import weights_content_id
 from protocol.messages import ErrorCode
 
 from .engines.base import RequestFailed
@@ -147,21 +145,7 @@ def _check_safetensors_header(path: Path, shown: str) -> None:
 
 
 def content_id(real: str, shards: list[str] | tuple[str, ...]) -> str:
-    manifest = os.path.join(real, "manifest.json")
-    try:
-        with open(manifest, "rb") as f:
-            declared = json.loads(f.read()).get("content_id")
-        if isinstance(declared, str) and declared:
-            return declared
-    except (OSError, ValueError, AttributeError):
-        pass
-    digest = hashlib.sha256()
-    with open(os.path.join(real, "config.json"), "rb") as f:
-        digest.update(f.read())
-    for shard in shards:
-        st = os.stat(os.path.join(real, shard))
-        digest.update(f"{shard}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}".encode())
-    return "stat-" + digest.hexdigest()[:16]
+    return weights_content_id(real, shards)
 
 
 def check_tokenizer_fits(weights: Weights, tokenizer_size: int) -> None:

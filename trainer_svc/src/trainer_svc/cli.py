@@ -56,11 +56,15 @@ def train(config: ConfigArg, smoke: Annotated[bool, typer.Option(help="A tiny sh
     cfg = _load(config, smoke)
     check_before_work(cfg)
     from .data import DataError
+    from .gates import GateRefused, check_config
     from .loop import train as run_training
     from .rollout import RolloutFailed, RolloutUnavailable
 
     try:
+        check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the cheapest gate, before torch loads
         code = run_training(cfg, stage="grpo_smoke" if smoke else "grpo")
+    except GateRefused as exc:
+        raise _fail(exit_codes.GATE_REFUSED, str(exc)) from None
     except DataError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except (RolloutUnavailable, RolloutFailed) as exc:
@@ -98,6 +102,24 @@ def sft(config: ConfigArg) -> None:
     except FileExistsError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     typer.echo(f"warm-up: {report['steps']} steps, sampled accuracy {report['sampled_accuracy']:.2f}; model in {report['out']}")
+
+
+@app.command()
+def band(config: ConfigArg) -> None:
+    """Keep the prompts the starting model solves sometimes: a band file and its manifest for data.band_file."""
+    _setup_logging()
+    cfg = _load(config, False)
+    check_before_work(cfg)
+    from .band import run_band
+    from .rollout import RolloutFailed, RolloutUnavailable
+
+    try:
+        report = run_band(cfg)
+    except (RolloutUnavailable, RolloutFailed) as exc:
+        raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    counts = report["counts"]
+    typer.echo(f"{report['rows']} prompts in the band ({counts['never']} never solved, {counts['always']} always); "
+               f"band file {report['path']}, manifest {report['path']}.manifest.json")
 
 
 @app.command()

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .tripwire import TripwireConfig
+
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -47,6 +49,7 @@ class DataConfig(Struct):
     arithmetic_high: NonNegative = 20
     arithmetic_ops: str = "+"
     held_out: NonNegative = 32  # problems kept out of training, for the canary
+    band_file: str = ""  # train on the prompts of a band file from `trainer-svc band` instead
 
     def __post_init__(self) -> None:
         if self.task == "file" and not self.path:
@@ -65,6 +68,7 @@ class RolloutConfig(Struct):
     max_tokens: Positive = 4
     temperature: PositiveFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    max_policy_lag: NonNegative = 0  # steps rollouts may lag the trainer (checkpoint.every - 1)
     timeout_s: PositiveFloat = 600.0  # longest wait for one step's rollouts
     no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
 
@@ -104,6 +108,27 @@ class CheckpointConfig(Struct):
     keep_last: Positive = 3
 
 
+class CanaryConfig(Struct):
+    """Greedy answers to held-out problems through the spool, every `every` steps."""
+
+    every: NonNegative = 0  # 0: no canary
+    problems: Positive = 32  # taken from the held-out problems
+
+
+class BandConfig(Struct):
+    """`trainer-svc band`: keep prompts the starting model solves sometimes, not never or always."""
+
+    samples: Annotated[int, msgspec.Meta(ge=2)] = 16  # completions per candidate prompt
+    low: Fraction = 0.1  # keep prompts whose pass rate is >= low...
+    high: Fraction = 0.9  # ...and <= high
+    candidates: NonNegative = 0  # training problems to try; 0: all
+    out: str = ""  # band file; default <run.dir>/band.jsonl
+
+    def __post_init__(self) -> None:
+        if self.low > self.high:
+            raise ValueError("band.low must be <= band.high")
+
+
 class SftConfig(Struct):
     """The supervised warm-up `trainer-svc sft` runs before GRPO; it writes model.path."""
 
@@ -126,6 +151,9 @@ class Config(Struct):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     reward: RewardSection = msgspec.field(default_factory=RewardSection)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
+    tripwire: TripwireConfig = msgspec.field(default_factory=TripwireConfig)
+    band: BandConfig = msgspec.field(default_factory=BandConfig)
     sft: SftConfig | None = None
 
     @property
@@ -169,7 +197,8 @@ def _resolve_paths(config: Config) -> Config:
         sft=msgspec.structs.replace(config.sft, base=resolve(config.sft.base)) if config.sft else None,
         run=msgspec.structs.replace(config.run, dir=resolve(config.run.dir)),
         model=msgspec.structs.replace(config.model, path=resolve(config.model.path)),
-        data=msgspec.structs.replace(config.data, path=resolve(config.data.path)),
+        data=msgspec.structs.replace(config.data, path=resolve(config.data.path), band_file=resolve(config.data.band_file)),
+        band=msgspec.structs.replace(config.band, out=resolve(config.band.out)),
         rollout=msgspec.structs.replace(
             config.rollout, spool=resolve(config.rollout.spool), rollout_venv=resolve(config.rollout.rollout_venv)
         ),

@@ -13,6 +13,7 @@ A relaunch with the same run directory resumes from the newest checkpoint. SIGTE
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import signal
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from protocol import exit_codes
 
 from . import checkpoint as ckpt
+from . import gates
+from .canary import Canary
 from .batch import collate, rank_share
 from .config import Config, dump
 from .data import PromptStream, arithmetic_problems, read_prompt_file, split
@@ -35,6 +38,7 @@ from .outputs import STAGE_RESULT, MetricsLog, Progress, read_metrics, summary, 
 from .rewards import Verifier
 from .sampling import Sampler, StepRollouts, sample_step, summarize
 from .train_step import StepTotals, make_optimizer, make_scheduler, train_step
+from .tripwire import CollapseTripwire
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +48,12 @@ class RunState:
     """Everything a resume restores besides weights, optimizer and RNG."""
 
     step: int = 0
-    stream: dict = field(default_factory=dict)
-    scheduler: dict = field(default_factory=dict)
+    horizon: int | None = None  # train.steps the run was started with (None: a fresh run)
     started_at: float = field(default_factory=time.time)
 
 
 class StopRequest:
-    """SIGTERM/SIGINT ask for a stop at the next step boundary (all ranks agree on it)."""
+    """SIGTERM/SIGINT ask for a stop at the next step boundary. All ranks agree on stops."""
 
     def __init__(self):
         self.requested = False
@@ -60,62 +63,60 @@ class StopRequest:
     def _set(self, *_):
         self.requested = True
 
-    def agreed(self, dist_info: Distributed, wall_exceeded: bool) -> bool:
-        flag = torch.tensor([1.0 if (self.requested or wall_exceeded) else 0.0])
+    def agreed(self, dist_info: Distributed, wall_exceeded: bool, tripped: bool) -> tuple[bool, bool]:
+        """(stop resumably, stop for the tripwire), the same on every rank."""
+        flags = torch.tensor([float(self.requested or wall_exceeded), float(tripped)])
         if dist_info.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
 
 
 def load_problems(cfg: Config):
+    """(training problems, held-out problems). With a band file, training uses its prompts; the
+    held-out ones still come from the task (banding only ever saw training problems)."""
     if cfg.data.task == "arithmetic":
         problems = arithmetic_problems(cfg.data.arithmetic_low, cfg.data.arithmetic_high, cfg.data.arithmetic_ops)
     else:
         problems = read_prompt_file(cfg.data.path)
-    return split(problems, cfg.data.held_out, cfg.run.seed)
+    train_problems, held_out = split(problems, cfg.data.held_out, cfg.run.seed)
+    if cfg.data.band_file:
+        train_problems = read_prompt_file(cfg.data.band_file)
+    return train_problems, held_out
 
 
 def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, str], Sampler] | None = None) -> int:
-    """Run (or resume) the stage; returns its exit code. `make_sampler` replaces the spool
-    rollout service (tests use it for a deterministic sampler)."""
+    """Run (or resume) the stage; returns its exit code. Launch gates raise GateRefused.
+    `make_sampler` replaces the spool rollout service (tests use a deterministic sampler)."""
     dist_info = init_distributed()
     run_dir = cfg.run_dir
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # a bar per checkpoint save would bury the run's own
-    if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
-        torch.set_num_threads(cfg.run.cpu_threads)
-    torch.manual_seed(cfg.run.seed + dist_info.rank)
-    if cfg.run.deterministic:
-        torch.use_deterministic_algorithms(True)
-    if dist_info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.resolved.toml").write_bytes(dump(cfg))
-
-    train_problems, _held_out = load_problems(cfg)
+    setup_process(cfg, dist_info)
+    train_problems, held_out = load_problems(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
+    verifier = Verifier()
+    gate_figures = run_launch_gates(cfg, dist_info, tokenizer, train_problems + held_out, verifier)
+
     dtype = resolve_dtype(cfg.model.dtype, dist_info.device)
     model = load_policy(cfg.model.path, dtype, dist_info, activation_checkpointing=cfg.model.activation_checkpointing)
     reference = load_reference(cfg.model.path, dtype, dist_info.device) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     stream = PromptStream(train_problems, seed=cfg.run.seed)
-    state, latest = resume(cfg, model, optimizer, scheduler, stream, dist_info)
-    banner = make_banner(cfg, stage, latest, len(train_problems), dist_info)
-    log.info("BANNER %s", banner)
+    tripwire = CollapseTripwire(cfg.tripwire, cfg.rollout.max_tokens)
+    state, latest = resume(cfg, model, optimizer, scheduler, stream, tripwire, dist_info)
+    gates.check_horizon(scheduler.total_steps, cfg, state.horizon)
+    banner = make_banner(cfg, stage, latest, len(train_problems), dist_info, gate_figures)
+    log.info("BANNER %s", json.dumps(banner, indent=1))
+    canary = Canary(cfg, held_out, verifier, state.step) if dist_info.is_main else None
+    if tripwire.fired:
+        log.error("the collapse tripwire fired before this resume (%s); not training further", tripwire.reason)
+        verifier.close()
+        if dist_info.is_main:
+            write_stage_result(cfg, stage, banner, latest, exit_codes.TRIPWIRE, canary, tripwire)
+        return exit_codes.TRIPWIRE
 
-    sampler = None
-    if dist_info.is_main and state.step < cfg.train.steps:
-        launch_id = secrets.token_hex(3)
-        if make_sampler is not None:
-            sampler = make_sampler(cfg, launch_id)
-        else:
-            from .rollout import RolloutService
-
-            sampler = RolloutService(cfg, launch_id=launch_id)
+    sampler = make_rollout_sampler(cfg, make_sampler) if dist_info.is_main and state.step < cfg.train.steps else None
     metrics = MetricsLog(run_dir, state.step) if dist_info.is_main else None
     progress = Progress(cfg.train.steps, state.step) if dist_info.is_main else None
-    verifier = Verifier()
     stop = StopRequest()
     started = time.monotonic()
     exit_code = exit_codes.OK
@@ -130,19 +131,28 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
             )
             train_started = time.monotonic()
             stats = learn(model, reference, optimizer, scheduler, rollouts, tokenizer, cfg, dist_info)
-            stats["train_s"] = time.monotonic() - train_started
             state.step += 1
-            save_s = 0.0
+            row = {"step": state.step, **summarize(rollouts), **stats, "train_s": time.monotonic() - train_started}
+            tripped = tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"]) if dist_info.is_main else None
             wall_exceeded = cfg.run.max_wall_seconds > 0 and time.monotonic() - started > cfg.run.max_wall_seconds
-            stopping = stop.agreed(dist_info, wall_exceeded)
-            if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping:
+            stopping, tripping = stop.agreed(dist_info, wall_exceeded, tripped is not None)
+            row["save_s"] = 0.0
+            if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping or tripping:
                 save_started = time.monotonic()
-                latest = save_and_publish(cfg, state, model, optimizer, scheduler, stream, dist_info) or latest
-                save_s = time.monotonic() - save_started
+                latest = save_and_publish(cfg, state, model, optimizer, scheduler, stream, tripwire, dist_info) or latest
+                row["save_s"] = time.monotonic() - save_started
             if dist_info.is_main:
-                row = {"step": state.step, **summarize(rollouts), **stats, "save_s": save_s, "step_s": time.monotonic() - step_started}
+                if canary.due(state.step) and latest is not None:
+                    row["canary_accuracy"] = canary.run(sampler, step=state.step, weights_dir=str(latest.path), content_id=latest.content_id)["accuracy"]
+                row["step_s"] = time.monotonic() - step_started
                 metrics.write(row)
                 progress.update(row)
+            if tripping:
+                if dist_info.is_main:
+                    ckpt.pin(latest.path, tripwire.reason or "collapse tripwire")
+                log.error("collapse tripwire: %s; checkpoint %s pinned", tripwire.reason, latest.path)
+                exit_code = exit_codes.TRIPWIRE
+                break
             if stopping and state.step < cfg.train.steps:
                 log.warning("stopping at step %d (%s); relaunch to resume", state.step, "wall-clock limit" if wall_exceeded else "signal")
                 exit_code = exit_codes.RESUMABLE_STOP
@@ -156,10 +166,51 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
         if metrics is not None:
             metrics.close()
     if dist_info.is_main:
-        write_stage_result(cfg, stage, banner, latest, exit_code)
+        write_stage_result(cfg, stage, banner, latest, exit_code, canary, tripwire)
     if dist_info.world_size > 1:
         dist.destroy_process_group()
     return exit_code
+
+
+def setup_process(cfg: Config, dist_info: Distributed) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per checkpoint save would bury the run's own
+    if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
+        torch.set_num_threads(cfg.run.cpu_threads)
+    torch.manual_seed(cfg.run.seed + dist_info.rank)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    if dist_info.is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "config.resolved.toml").write_bytes(dump(cfg))
+
+
+def run_launch_gates(cfg: Config, dist_info: Distributed, tokenizer, problems, verifier: Verifier) -> dict:
+    """Cheapest first; each refuses with GateRefused. The horizon gate runs once the schedule exists."""
+    gates.check_config(cfg, dist_info.world_size)
+    receipt = gates.ceiling_receipt(cfg, problems, tokenizer, verifier)
+    if dist_info.is_main:
+        gates.check_ceiling(receipt, cfg.run_dir)
+    elif receipt["perfect_rate"] < gates.CEILING_PERFECT_MIN or receipt["wrong_rate"] > gates.CEILING_WRONG_MAX:
+        raise gates.GateRefused("ceiling", "see rank 0")
+    band = gates.check_band(cfg)
+    live = None
+    if not cfg.rollout.spawn:
+        from protocol.spool import Spool
+
+        live = Spool(cfg.spool_dir, create=True).live_workers()
+    topology = gates.check_topology(cfg, dist_info.world_size, torch.cuda.device_count(), live)
+    return {"ceiling": {"perfect_rate": receipt["perfect_rate"], "wrong_rate": receipt["wrong_rate"], "n": receipt["n"]}, "band": band, "topology": topology}
+
+
+def make_rollout_sampler(cfg: Config, make_sampler) -> Sampler:
+    launch_id = secrets.token_hex(3)
+    if make_sampler is not None:
+        return make_sampler(cfg, launch_id)
+    from .rollout import RolloutService
+
+    return RolloutService(cfg, launch_id=launch_id)
 
 
 def learn(model, reference, optimizer, scheduler, rollouts: StepRollouts, tokenizer, cfg: Config, dist_info: Distributed) -> dict:
@@ -179,10 +230,16 @@ def broadcast(rollouts: StepRollouts | None, dist_info: Distributed) -> StepRoll
     return box[0]
 
 
-def save_and_publish(cfg: Config, state: RunState, model, optimizer, scheduler, stream: PromptStream, dist_info: Distributed):
+def save_and_publish(cfg: Config, state: RunState, model, optimizer, scheduler, stream: PromptStream, tripwire: CollapseTripwire, dist_info: Distributed):
     """Save the checkpoint the next rollout request will name: this is the weight sync."""
-    state.stream, state.scheduler = stream.state_dict(), scheduler.state_dict()
-    trainer_state = {"step": state.step, "stream": state.stream, "scheduler": state.scheduler, "started_at": state.started_at}
+    trainer_state = {
+        "step": state.step,
+        "horizon": cfg.train.steps,
+        "stream": stream.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "tripwire": tripwire.state_dict(),
+        "started_at": state.started_at,
+    }
     saved = ckpt.save(
         run_dir=cfg.run_dir, step=state.step, model=model, optimizer=optimizer, base_model=Path(cfg.model.path),
         trainer_state=trainer_state, dist_info=dist_info,
@@ -194,12 +251,11 @@ def save_and_publish(cfg: Config, state: RunState, model, optimizer, scheduler, 
     return saved
 
 
-def resume(cfg: Config, model, optimizer, scheduler, stream: PromptStream, dist_info: Distributed):
+def resume(cfg: Config, model, optimizer, scheduler, stream: PromptStream, tripwire: CollapseTripwire, dist_info: Distributed):
     """Continue from the newest checkpoint of run_dir, if there is one."""
     latest = ckpt.latest(cfg.run_dir)
-    state = RunState()
     if latest is None:
-        return state, None
+        return RunState(), None
     from safetensors.torch import load_file
 
     weights = load_file(latest.path / "model.safetensors") if (latest.path / "model.safetensors").exists() else None
@@ -218,16 +274,19 @@ def resume(cfg: Config, model, optimizer, scheduler, stream: PromptStream, dist_
     saved = ckpt.load_trainer_state(latest)
     scheduler.load_state_dict(saved["scheduler"])
     stream.load_state_dict(saved["stream"])
-    state = RunState(step=saved["step"], stream=saved["stream"], scheduler=saved["scheduler"], started_at=saved["started_at"])
-    log.info("RESUMED from %s at step %d", latest.path, state.step)
-    return state, latest
+    tripwire.load_state_dict(saved["tripwire"])
+    log.info("RESUMED from %s at step %d", latest.path, saved["step"])
+    return RunState(step=saved["step"], horizon=saved["horizon"], started_at=saved["started_at"]), latest
 
 
-def make_banner(cfg: Config, stage: str, latest, n_problems: int, dist_info: Distributed) -> dict:
+def make_banner(cfg: Config, stage: str, latest, n_problems: int, dist_info: Distributed, gate_figures: dict) -> dict:
+    band = gate_figures.get("band")
     return {
         "stage": stage,
         "substrate": cfg.model.path,
         "resumed_from": str(latest.path) if latest else None,
+        "band_file": cfg.data.band_file or None,
+        "band_prompts": band["rows"] if band else None,
         "task": {"kind": cfg.data.task, "train_problems": n_problems, "held_out": cfg.data.held_out},
         "shape": {
             "prompts_per_step": cfg.rollout.prompts_per_step,
@@ -237,21 +296,27 @@ def make_banner(cfg: Config, stage: str, latest, n_problems: int, dist_info: Dis
             "optimizer_steps": cfg.train.steps,
             "grad_accum": cfg.train.grad_accum,
         },
-        "topology": {"train_ranks": dist_info.world_size, "device": str(dist_info.device), "rollout": "spawned worker" if cfg.rollout.spawn else f"workers on {cfg.spool_dir}"},
+        "ceiling": gate_figures["ceiling"],
+        "topology": {**gate_figures["topology"], "rollout": "spawned worker" if cfg.rollout.spawn else f"workers on {cfg.spool_dir}"},
+        "safety": f"grad clip {cfg.train.max_grad_norm}, canary every {cfg.canary.every or 'off'}, "
+                  f"tripwire {'armed' if cfg.tripwire.armed else 'off'} (window {cfg.tripwire.window}), policy lag <= {cfg.rollout.max_policy_lag}",
     }
 
 
-def write_stage_result(cfg: Config, stage: str, banner: dict, latest, exit_code: int) -> None:
+def write_stage_result(cfg: Config, stage: str, banner: dict, latest, exit_code: int, canary: Canary, tripwire: CollapseTripwire) -> None:
     rows = read_metrics(cfg.run_dir)
+    totals = summary(rows)
     result = {
         "stage": stage,
         "exit_code": exit_code,
         "finished": exit_code == exit_codes.OK,
-        "summary": summary(rows),
+        "summary": totals,
         "banner": banner,
         "checkpoint": str(latest.path) if latest else None,
+        "canary_history": canary.history,
+        "collapse_tripwire": tripwire.as_log_dict(),
         "dead_groups": {"initial": sum(r["dead_groups"] for r in rows), "after_retry": sum(r["dead_groups_after_retry"] for r in rows), "retries": sum(r["retries"] for r in rows)},
-        "mismatch": {"mean": summary(rows).get("mismatch_mean"), "max": summary(rows).get("mismatch_max")},
+        "mismatch": {"mean": totals.get("mismatch_mean"), "max": totals.get("mismatch_max")},
     }
     write_json_atomic(cfg.run_dir / STAGE_RESULT, result)
     log.info("stage result: %s", cfg.run_dir / STAGE_RESULT)

@@ -109,20 +109,23 @@ class RolloutService:
                 f"the rollout worker exited with code {self.proc.returncode}; see {self.log_path}"
             )
 
-    def sample(self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int) -> list[Group]:
-        """G samples for each prompt, from the given weights."""
+    def sample(
+        self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int,
+        n: int | None = None, temperature: float | None = None, tag: str = "train",
+    ) -> list[Group]:
+        """`n` samples (default G) of each prompt, from the given weights."""
         r = self.cfg.rollout
         request = Request(
-            request_id=f"{self.cfg.run_dir.name[:48]}-{self.launch_id}-s{step:08d}-a{attempt}",
+            request_id=f"{self.cfg.run_dir.name[:40]}-{self.launch_id}-{tag}-s{step:08d}-a{attempt}",
             weights_dir=weights_dir,
             weights_content_id=content_id,
             prompts=prompts,
-            n_samples_per_prompt=r.samples_per_prompt,
+            n_samples_per_prompt=n or r.samples_per_prompt,
             max_tokens=r.max_tokens,
-            temperature=r.temperature,
+            temperature=r.temperature if temperature is None else temperature,
             top_p=r.top_p,
             seed=seed,
-            tag="train",
+            tag=tag,
         )
         self.client.submit(request)
         result = self._wait(request.request_id)

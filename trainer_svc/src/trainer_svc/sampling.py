@@ -22,7 +22,10 @@ from .rollout import Group
 
 
 class Sampler(Protocol):
-    def sample(self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int) -> list[Group]: ...
+    def sample(
+        self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int,
+        n: int | None = None, temperature: float | None = None, tag: str = "train",
+    ) -> list[Group]: ...
 
     def close(self) -> None: ...
 

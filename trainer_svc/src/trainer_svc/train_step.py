@@ -118,4 +118,6 @@ def make_scheduler(optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler.total_steps = t.steps  # the horizon the factor was built for (a launch gate checks it)
+    return scheduler

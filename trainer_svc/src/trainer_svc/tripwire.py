@@ -30,7 +30,9 @@ from typing import Annotated
 
 import msgspec
 
-from .config import NonNegativeFloat, PositiveFloat
+# Defined here, not taken from config.py: the config holds a TripwireConfig section.
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class TripwireConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

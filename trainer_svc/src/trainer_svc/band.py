@@ -1,0 +1,84 @@
+"""`trainer-svc band`: keep the prompts the starting model solves sometimes.
+
+A prompt it never solves, or always solves, gives a group of equal rewards and no gradient.
+Banding samples `band.samples` completions of each candidate prompt from the starting model
+through the rollout service, keeps those whose pass rate lies in [band.low, band.high], and
+writes them as a JSONL file of {"id", "prompt", "gold", "pass_rate"} rows with a manifest
+(`<file>.manifest.json`): the model and its content id, the settings, and the count per band.
+`train` with `data.band_file` refuses a band file whose manifest names another model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from protocol.content_id import weights_content_id
+
+from .config import Config
+from .rewards import Verifier, extract_answer
+
+BATCH = 64  # prompts per request
+
+
+def band_path(cfg: Config) -> Path:
+    return Path(cfg.band.out) if cfg.band.out else cfg.run_dir / "band.jsonl"
+
+
+def run_band(cfg: Config, sampler=None) -> dict:
+    from .loop import load_problems
+
+    candidates, _ = load_problems(cfg)
+    if cfg.band.candidates:
+        candidates = candidates[: cfg.band.candidates]
+    own_sampler = sampler is None
+    if own_sampler:
+        from .rollout import RolloutService
+
+        sampler = RolloutService(cfg, launch_id=secrets.token_hex(3))
+    verifier = Verifier()
+    rows, counts = [], {"never": 0, "band": 0, "always": 0}
+    model = os.path.realpath(cfg.model.path)
+    try:
+        for start in range(0, len(candidates), BATCH):
+            batch = candidates[start : start + BATCH]
+            groups = sampler.sample(
+                [p.prompt for p in batch], weights_dir=model, content_id=None, step=start // BATCH,
+                attempt=0, seed=cfg.run.seed + start, n=cfg.band.samples, tag="band",
+            )
+            for problem, group in zip(batch, groups, strict=True):
+                rate = sum(verifier.verify(extract_answer(s.text), problem.gold) for s in group.samples) / len(group.samples)
+                if rate < cfg.band.low:
+                    counts["never"] += 1
+                elif rate > cfg.band.high:
+                    counts["always"] += 1
+                else:
+                    counts["band"] += 1
+                    rows.append({"id": problem.id, "prompt": problem.prompt, "gold": problem.gold, "pass_rate": rate})
+    finally:
+        verifier.close()
+        if own_sampler:
+            sampler.close()
+    out = band_path(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "model": model,
+        "content_id": weights_content_id(model),
+        "rows": len(rows),
+        "counts": counts,
+        "settings": {"samples": cfg.band.samples, "low": cfg.band.low, "high": cfg.band.high, "temperature": cfg.rollout.temperature,
+                     "max_tokens": cfg.rollout.max_tokens, "candidates": len(candidates), "task": cfg.data.task},
+        "created_at": time.time(),
+    }
+    _write_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
+    _write_atomic(Path(str(out) + ".manifest.json"), json.dumps(manifest, indent=1) + "\n")
+    return {"path": str(out), **manifest}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)

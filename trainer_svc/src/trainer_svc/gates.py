@@ -1,0 +1,160 @@
+"""Launch gates: checks that refuse a run that cannot succeed, cheapest first, before the
+expensive work. Each refusal raises GateRefused (exit code 3) with what to change.
+
+    config      denominator arithmetic, sync cadence, gradient clipping, canary armed
+    ceiling     the reward scores a perfect policy ~100% and a wrong one ~0% (receipt saved)
+    band        the band file was made from this model (its manifest says so)
+    topology    the rollout worker's device is visible and is not a training rank's
+    horizon     the schedule's horizon is the configured number of steps, also after a resume
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from protocol import exit_codes
+from protocol.content_id import weights_content_id
+
+from .config import Config
+from .data import Problem
+from .rewards import RewardConfig, Verifier, score
+
+CEILING_PERFECT_MIN = 0.99
+CEILING_WRONG_MAX = 0.01
+RECEIPT = "ceiling_receipt.json"
+
+
+class GateRefused(RuntimeError):
+    exit_code = exit_codes.GATE_REFUSED
+
+    def __init__(self, gate: str, message: str):
+        super().__init__(f"launch gate '{gate}' refused the run: {message}")
+        self.gate = gate
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    r, t = cfg.rollout, cfg.train
+    sequences = r.prompts_per_step * r.samples_per_prompt
+    if sequences % (world_size * t.grad_accum):
+        raise GateRefused(
+            "config",
+            f"prompts_per_step x samples_per_prompt = {sequences} sequences do not split evenly into "
+            f"{world_size} ranks x {t.grad_accum} micro-batches; change one of them so that "
+            f"{world_size * t.grad_accum} divides {sequences}",
+        )
+    lag = cfg.checkpoint.every - 1
+    if lag > r.max_policy_lag:
+        raise GateRefused(
+            "config",
+            f"checkpoint.every = {cfg.checkpoint.every}: each save is the weight sync, so rollouts would come from "
+            f"weights up to {lag} steps old, more than rollout.max_policy_lag = {r.max_policy_lag}; "
+            "save every step, or allow the lag explicitly",
+        )
+    if not t.max_grad_norm > 0:
+        raise GateRefused("config", "train.max_grad_norm must be set: unclipped GRPO updates blow up on outlier batches")
+    if cfg.canary.every:
+        if cfg.canary.problems < 1 or cfg.canary.problems > cfg.data.held_out:
+            raise GateRefused(
+                "config",
+                f"the canary is armed (canary.every = {cfg.canary.every}) with canary.problems = {cfg.canary.problems}, "
+                f"but data.held_out = {cfg.data.held_out} problems are kept out of training; "
+                "hold out at least as many as the canary uses",
+            )
+
+
+def ceiling_receipt(cfg: Config, problems: list[Problem], tokenizer, verifier: Verifier) -> dict:
+    """Score each problem's gold written as a perfect policy writes it, and a wrong answer.
+
+    A perfect completion is the gold text, ended by the model itself; it must get the full
+    reward (`reward.correct`), format and length terms included. A wrong one (gold + 1) must not
+    count as correct. A reward that cannot tell them apart trains nothing (the 0/100 trap)."""
+    reward_cfg = RewardConfig(correct=cfg.reward.correct, format_weight=cfg.reward.format_weight, overlong_buffer=cfg.reward.overlong_buffer)
+    perfect, wrong, failures = 0, 0, []
+    for p in problems:
+        tokens = len(tokenizer(p.gold, add_special_tokens=False)["input_ids"]) + 1  # + end of sequence
+        best = score([(p.gold, "stop", tokens)], p.gold, reward_cfg, verifier, cfg.rollout.max_tokens)[0]
+        if best.total >= cfg.reward.correct - 1e-9:
+            perfect += 1
+        elif len(failures) < 5:
+            failures.append({"prompt": p.prompt, "gold": p.gold, "reward": best.total, "correct": best.correct, "format_ok": best.format_ok})
+        bad = score([(_wrong(p.gold), "stop", tokens)], p.gold, reward_cfg, verifier, cfg.rollout.max_tokens)[0]
+        wrong += bad.correct
+    n = len(problems)
+    return {"n": n, "perfect_rate": perfect / n, "wrong_rate": wrong / n, "failures": failures, "created_at": time.time()}
+
+
+def _wrong(gold: str) -> str:
+    try:
+        return str(int(gold) + 1)
+    except ValueError:
+        try:
+            return str(float(gold) + 1)
+        except ValueError:
+            return gold + "0"
+
+
+def check_ceiling(receipt: dict, run_dir: Path) -> None:
+    (run_dir / RECEIPT).write_text(json.dumps(receipt, indent=1))
+    if receipt["perfect_rate"] < CEILING_PERFECT_MIN or receipt["wrong_rate"] > CEILING_WRONG_MAX:
+        raise GateRefused(
+            "ceiling",
+            f"a perfect policy would score {receipt['perfect_rate']:.0%} and a wrong one {receipt['wrong_rate']:.0%} "
+            f"(need >= {CEILING_PERFECT_MIN:.0%} and <= {CEILING_WRONG_MAX:.0%}); the verifier or the format reward "
+            f"cannot read the gold answers as written. Examples: {receipt['failures'][:3]}. Receipt: {run_dir / RECEIPT}",
+        )
+
+
+def check_band(cfg: Config) -> dict | None:
+    """The band file's manifest must name the model this run starts from (path and content)."""
+    if not cfg.data.band_file:
+        return None
+    manifest_path = Path(cfg.data.band_file + ".manifest.json")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise GateRefused("band", f"{manifest_path} is missing; make the band file with `trainer-svc band`") from None
+    model = os.path.realpath(cfg.model.path)
+    content = weights_content_id(model)
+    if manifest.get("model") != model or manifest.get("content_id") != content:
+        raise GateRefused(
+            "band",
+            f"{cfg.data.band_file} was banded on {manifest.get('model')} (content {manifest.get('content_id')}), "
+            f"this run starts from {model} (content {content}); band again with `trainer-svc band`",
+        )
+    return manifest
+
+
+def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers: list | None = None) -> dict:
+    """Where the rollout worker runs must not be where a training rank runs."""
+    if cfg.rollout.spawn:
+        if cuda_devices == 0:
+            return {"train_ranks": world_size, "rollout_device": "cpu"}
+        gpu = os.environ.get("ROLLOUT_GPU", str(world_size))
+        if not gpu.isdigit() or not world_size <= int(gpu) < cuda_devices:
+            raise GateRefused(
+                "topology",
+                f"ROLLOUT_GPU={gpu}: training ranks use cuda:0..{world_size - 1} and {cuda_devices} GPUs are visible; "
+                f"the rollout worker needs its own visible GPU (set ROLLOUT_GPU to one of {list(range(world_size, cuda_devices)) or 'none: free a GPU'})",
+            )
+        return {"train_ranks": world_size, "rollout_device": f"cuda:{gpu}"}
+    host = socket.gethostname()
+    training = {f"cuda:{i}" for i in range(world_size)} if cuda_devices else set()
+    clashes = [w.worker_id for w in live_workers or [] if w.host == host and w.device in training]
+    if clashes:
+        raise GateRefused("topology", f"workers {clashes} on this host use a training rank's GPU; stop them or train on other GPUs")
+    return {"train_ranks": world_size, "rollout_device": "workers on the spool"}
+
+
+def check_horizon(scheduler_horizon: int, cfg: Config, resumed_horizon: int | None) -> None:
+    if scheduler_horizon != cfg.train.steps:
+        raise GateRefused("horizon", f"the learning-rate schedule spans {scheduler_horizon} steps, the run {cfg.train.steps}")
+    if resumed_horizon is not None and resumed_horizon != cfg.train.steps:
+        raise GateRefused(
+            "horizon",
+            f"this run was started with train.steps = {resumed_horizon}; resuming with {cfg.train.steps} would "
+            "bend its learning-rate schedule mid-run. Resume with the original value, or start a new run.dir",
+        )
