@@ -21,7 +21,7 @@ STEPS = 150
 WINDOW = 30
 
 
-def write_config(path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False) -> Path:
+def write_config(path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False, extra: str = "", steps: int = STEPS) -> Path:
     path.write_text(f"""
 [run]
 dir = "{run_dir}"
@@ -47,7 +47,7 @@ rollout_venv = "{ROOT / '.venvs' / 'rollout'}"
 worker_args = ["--max-model-len", "64"]
 
 [train]
-steps = {STEPS}
+steps = {steps}
 lr = 1e-4
 
 [reward]
@@ -55,7 +55,7 @@ shuffle_control = {str(shuffle).lower()}
 
 [checkpoint]
 keep_last = 2
-""")
+{extra}""")
     return path
 
 
@@ -103,3 +103,36 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
     # The spawned worker is gone and its spool holds no claim.
     assert os.listdir(learned_dir / "spool" / "claimed") == []
     assert not list((learned_dir / "spool" / "workers").iterdir())
+
+
+def test_banding_through_the_rollout_service_gives_a_band_file_train_accepts(warm):
+    base_dir, base, model = warm
+    band_file = base_dir / "band.jsonl"
+    extra = f"""
+[band]
+samples = 8
+candidates = 64
+low = 0.1
+high = 0.9
+out = "{band_file}"
+"""
+    banding = run("band", str(write_config(base_dir / "band.toml", base_dir / "band-run", model, base, extra=extra)))
+    assert banding.returncode == 0, banding.stderr[-3000:]
+    manifest = json.loads(Path(str(band_file) + ".manifest.json").read_text())
+    assert manifest["model"] == os.path.realpath(model) and sum(manifest["counts"].values()) == 64
+    rows = [json.loads(line) for line in band_file.read_text().splitlines()]
+    assert len(rows) == manifest["rows"] == manifest["counts"]["band"] > 0
+    assert all(0.1 <= r["pass_rate"] <= 0.9 for r in rows)
+
+    config = write_config(base_dir / "banded.toml", base_dir / "banded-run", model, base, extra=extra, steps=4)
+    config.write_text(config.read_text().replace("[data]\n", f'[data]\nband_file = "{band_file}"\n'))
+    training = run("train", str(config))
+    assert training.returncode == 0, training.stderr[-3000:]
+    banner = json.loads((base_dir / "banded-run" / "stage_result.json").read_text())["banner"]
+    assert banner["band_file"] == str(band_file) and banner["band_prompts"] == len(rows)
+
+    # The same band file for another starting model is refused by its gate (exit 3).
+    other = write_config(base_dir / "other.toml", base_dir / "other-run", base, base, extra=extra, steps=4)
+    other.write_text(other.read_text().replace("[data]\n", f'[data]\nband_file = "{band_file}"\n'))
+    refused = run("train", str(other))
+    assert refused.returncode == 3 and "band" in refused.stderr
