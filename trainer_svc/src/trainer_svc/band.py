@@ -19,6 +19,7 @@ from pathlib import Path
 from protocol.content_id import weights_content_id
 
 from .config import Config
+from .outputs import write_text_atomic
 from .rewards import Verifier, extract_answer
 
 BATCH = 64  # prompts per request
@@ -73,12 +74,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
                      "max_tokens": cfg.rollout.max_tokens, "candidates": len(candidates), "task": cfg.data.task},
         "created_at": time.time(),
     }
-    _write_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
-    _write_atomic(Path(str(out) + ".manifest.json"), json.dumps(manifest, indent=1) + "\n")
+    write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
+    write_text_atomic(Path(str(out) + ".manifest.json"), json.dumps(manifest, indent=1) + "\n")
     return {"path": str(out), **manifest}
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)

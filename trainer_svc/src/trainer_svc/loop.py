@@ -65,10 +65,11 @@ class StopRequest:
 
     def agreed(self, dist_info: Distributed, wall_exceeded: bool, tripped: bool) -> tuple[bool, bool]:
         """(stop resumably, stop for the tripwire), the same on every rank."""
-        flags = torch.tensor([float(self.requested or wall_exceeded), float(tripped)])
+        # On the rank's device: NCCL reduces only CUDA tensors.
+        flags = torch.tensor([float(self.requested or wall_exceeded), float(tripped)], device=dist_info.device)
         if dist_info.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0].item()), bool(flags[1].item())
 
 
 def load_problems(cfg: Config):

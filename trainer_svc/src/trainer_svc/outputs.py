@@ -12,10 +12,15 @@ METRICS = "metrics.jsonl"
 STAGE_RESULT = "stage_result.json"
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a part."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 class MetricsLog:
