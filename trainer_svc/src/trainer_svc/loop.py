@@ -122,6 +122,8 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
     started = time.monotonic()
     exit_code = exit_codes.OK
     try:
+        if dist_info.is_main and canary.due(state.step) and state.step == 0:  # the starting point
+            canary.run(sampler, step=0, weights_dir=cfg.model.path, content_id=None)
         while state.step < cfg.train.steps:
             step_started = time.monotonic()
             weights_dir, content_id = (str(latest.path), latest.content_id) if latest else (cfg.model.path, None)
