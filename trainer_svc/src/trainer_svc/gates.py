@@ -128,6 +128,21 @@ def check_band(cfg: Config) -> dict | None:
     return manifest
 
 
+def physical_gpu(position: int) -> str:
+    """The GPU at `position` among those this process sees, as the system numbers it (what a
+    worker started with CUDA_VISIBLE_DEVICES=<it> uses, and reports)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[position].strip() if visible else str(position)
+
+
+def rollout_gpu(world_size: int, cuda_devices: int) -> str | None:
+    """The physical GPU for a spawned worker: ROLLOUT_GPU (a position among the visible GPUs),
+    by default the first after the training ranks; None without GPUs."""
+    if cuda_devices == 0 and "ROLLOUT_GPU" not in os.environ:
+        return None
+    return physical_gpu(int(os.environ.get("ROLLOUT_GPU", str(world_size))))
+
+
 def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers: list | None = None) -> dict:
     """Where the rollout worker runs must not be where a training rank runs."""
     if cfg.rollout.spawn:
@@ -142,7 +157,8 @@ def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers
             )
         return {"train_ranks": world_size, "rollout_device": f"cuda:{gpu}"}
     host = socket.gethostname()
-    training = {f"cuda:{i}" for i in range(world_size)} if cuda_devices else set()
+    # Workers report the physical GPU; training ranks use positions among the visible ones.
+    training = {f"cuda:{physical_gpu(i)}" for i in range(world_size)} if cuda_devices else set()
     clashes = [w.worker_id for w in live_workers or [] if w.host == host and w.device in training]
     if clashes:
         raise GateRefused("topology", f"workers {clashes} on this host use a training rank's GPU; stop them or train on other GPUs")
@@ -150,11 +166,12 @@ def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers
 
 
 def check_horizon(scheduler_horizon: int, cfg: Config, resumed_horizon: int | None) -> None:
-    if scheduler_horizon != cfg.train.steps:
-        raise GateRefused("horizon", f"the learning-rate schedule spans {scheduler_horizon} steps, the run {cfg.train.steps}")
+    # A changed train.steps on resume first: it also explains a restored schedule's other span.
     if resumed_horizon is not None and resumed_horizon != cfg.train.steps:
         raise GateRefused(
             "horizon",
             f"this run was started with train.steps = {resumed_horizon}; resuming with {cfg.train.steps} would "
             "bend its learning-rate schedule mid-run. Resume with the original value, or start a new run.dir",
         )
+    if scheduler_horizon != cfg.train.steps:
+        raise GateRefused("horizon", f"the learning-rate schedule spans {scheduler_horizon} steps, the run {cfg.train.steps}")

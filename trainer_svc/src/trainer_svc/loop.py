@@ -32,7 +32,7 @@ from . import gates
 from .canary import Canary
 from .batch import collate, rank_share
 from .config import Config, dump
-from .data import PromptStream, arithmetic_problems, read_prompt_file, split
+from .data import DataError, PromptStream, arithmetic_problems, read_prompt_file, split
 from .model import Distributed, init_distributed, load_policy, load_reference, load_tokenizer, resolve_dtype
 from .outputs import STAGE_RESULT, MetricsLog, Progress, read_metrics, summary, write_json_atomic
 from .rewards import Verifier
@@ -81,6 +81,8 @@ def load_problems(cfg: Config):
         problems = read_prompt_file(cfg.data.path)
     train_problems, held_out = split(problems, cfg.data.held_out, cfg.run.seed)
     if cfg.data.band_file:
+        if not Path(cfg.data.band_file).is_file():
+            raise DataError(f"data.band_file {cfg.data.band_file} does not exist; make it with `trainer-svc band`")
         train_problems = read_prompt_file(cfg.data.band_file)
     return train_problems, held_out
 
@@ -115,7 +117,7 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
             write_stage_result(cfg, stage, banner, latest, exit_codes.TRIPWIRE, canary, tripwire)
         return exit_codes.TRIPWIRE
 
-    sampler = make_rollout_sampler(cfg, make_sampler) if dist_info.is_main and state.step < cfg.train.steps else None
+    sampler = make_rollout_sampler(cfg, make_sampler, dist_info) if dist_info.is_main and state.step < cfg.train.steps else None
     metrics = MetricsLog(run_dir, state.step) if dist_info.is_main else None
     progress = Progress(cfg.train.steps, state.step) if dist_info.is_main else None
     stop = StopRequest()
@@ -207,19 +209,23 @@ def run_launch_gates(cfg: Config, dist_info: Distributed, tokenizer, problems, v
     return {"ceiling": {"perfect_rate": receipt["perfect_rate"], "wrong_rate": receipt["wrong_rate"], "n": receipt["n"]}, "band": band, "topology": topology}
 
 
-def make_rollout_sampler(cfg: Config, make_sampler) -> Sampler:
+def make_rollout_sampler(cfg: Config, make_sampler, dist_info: Distributed) -> Sampler:
     launch_id = secrets.token_hex(3)
     if make_sampler is not None:
         return make_sampler(cfg, launch_id)
     from .rollout import RolloutService
 
-    return RolloutService(cfg, launch_id=launch_id)
+    return RolloutService(cfg, launch_id=launch_id, world_size=dist_info.world_size)
 
 
 def learn(model, reference, optimizer, scheduler, rollouts: StepRollouts, tokenizer, cfg: Config, dist_info: Distributed) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = collate(rollouts.groups, rollouts.advantages, pad_id)
     totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
+    if totals.tokens == 0:  # nothing was generated: no loss to take, the tripwire judges the step
+        scheduler.step()
+        return {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0,
+                "grad_norm": 0.0, "lr": scheduler.get_last_lr()[0], "mismatch_mean": 0.0, "mismatch_max": 0.0}
     share = rank_share(batch, dist_info.rank, dist_info.world_size).to(dist_info.device)
     return train_step(model, reference, optimizer, scheduler, share, totals, cfg, dist_info)
 

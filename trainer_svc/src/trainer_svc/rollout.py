@@ -22,6 +22,7 @@ from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
 
 from .config import Config
+from .gates import rollout_gpu
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,16 @@ class Group:
 
 
 class RolloutService:
-    def __init__(self, cfg: Config, *, launch_id: str):
+    def __init__(self, cfg: Config, *, launch_id: str, world_size: int = 1, cuda_devices: int | None = None):
+        """`world_size`, `cuda_devices`: the training ranks and the GPUs this process sees; the
+        spawned worker gets the GPU the topology gate approved (gates.rollout_gpu)."""
         self.cfg = cfg
+        self.world_size = world_size
+        if cuda_devices is None:
+            import torch
+
+            cuda_devices = torch.cuda.device_count()
+        self.cuda_devices = cuda_devices
         self.launch_id = launch_id
         self.proc: subprocess.Popen | None = None
         self.log_path = cfg.run_dir / "rollout-worker.log"
@@ -80,8 +89,9 @@ class RolloutService:
         ]
         (cfg.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        if "ROLLOUT_GPU" in os.environ:
-            env["CUDA_VISIBLE_DEVICES"] = os.environ["ROLLOUT_GPU"]
+        gpu = rollout_gpu(self.world_size, self.cuda_devices)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         log.info("starting rollout worker: %s (log: %s)", " ".join(command), self.log_path)
         with open(self.log_path, "ab") as out:
             # Its own session: torchrun's or a terminal's signals do not reach it; we stop it.

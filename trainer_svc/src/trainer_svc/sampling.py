@@ -99,7 +99,8 @@ def _is_dead(breakdowns: list[RewardBreakdown]) -> bool:
 
 def summarize(r: StepRollouts) -> dict:
     flat = [b for group in r.breakdowns for b in group]
-    lengths = [len(s.token_ids) for g in r.groups for s in g.samples]
+    # Answer tokens: the end-of-sequence token that closes a finished sample is not part of it.
+    lengths = [len(s.token_ids) - (s.finish_reason == "stop") for g in r.groups for s in g.samples]
     return {
         "reward_mean": float(r.rewards.mean()),
         "reward_std": float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
