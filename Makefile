@@ -69,6 +69,7 @@ bench: venvs
 	$(ROLLOUT)/bin/python bench/vllm_reload.py
 	$(ROLLOUT)/bin/python bench/vllm_throughput.py
 	$(ROLLOUT)/bin/python bench/checkpoint_to_result.py
+	$(ROLLOUT)/bin/python bench/demo_learning.py
 
 clean:
 	rm -rf $(VENVS)
