@@ -202,13 +202,25 @@ def test_band_gate_refuses_a_manifest_of_other_content_at_the_same_path(cfg, tmp
 
 def test_band_gate_accepts_the_manifest_of_this_model(cfg, tmp_path, tiny_model):
     model = os.path.realpath(tiny_model)
-    manifest = {"model": model, "content_id": weights_content_id(model), "rows": 1}
+    split = {"seed": cfg.run.seed, "held_out": cfg.data.held_out}
+    manifest = {"model": model, "content_id": weights_content_id(model), "rows": 1, "settings": split}
     band = write_band(tmp_path / "band.jsonl", manifest)
     assert gates.check_band(replace(cfg, data={"band_file": band})) == manifest
     # the model named through a symlink is the same model
     link = tmp_path / "model-link"
     link.symlink_to(tiny_model)
     assert gates.check_band(replace(cfg, data={"band_file": band}, model={"path": str(link)})) == manifest
+
+
+def test_band_gate_refuses_a_band_made_with_another_split(cfg, tmp_path, tiny_model):
+    # Another seed or held-out count splits the problems differently: the band's prompts could
+    # include the problems this run's canary holds out.
+    model = os.path.realpath(tiny_model)
+    manifest = {"model": model, "content_id": weights_content_id(model), "rows": 1,
+                "settings": {"seed": cfg.run.seed + 1, "held_out": cfg.data.held_out}}
+    band = write_band(tmp_path / "band.jsonl", manifest)
+    message = refused("band", gates.check_band, replace(cfg, data={"band_file": band}))
+    assert "held-out" in message and f"run.seed {cfg.run.seed + 1}" in message
 
 
 # -- topology ------------------------------------------------------------------------------------

@@ -71,7 +71,9 @@ def run_band(cfg: Config, sampler=None) -> dict:
         "rows": len(rows),
         "counts": counts,
         "settings": {"samples": cfg.band.samples, "low": cfg.band.low, "high": cfg.band.high, "temperature": cfg.rollout.temperature,
-                     "max_tokens": cfg.rollout.max_tokens, "candidates": len(candidates), "task": cfg.data.task},
+                     "max_tokens": cfg.rollout.max_tokens, "candidates": len(candidates), "task": cfg.data.task,
+                     # the split that kept held-out problems out of the candidates
+                     "seed": cfg.run.seed, "held_out": cfg.data.held_out},
         "created_at": time.time(),
     }
     write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))

@@ -125,6 +125,13 @@ def check_band(cfg: Config) -> dict | None:
             f"{cfg.data.band_file} was banded on {manifest.get('model')} (content {manifest.get('content_id')}), "
             f"this run starts from {model} (content {content}); band again with `trainer-svc band`",
         )
+    split = {k: manifest.get("settings", {}).get(k) for k in ("seed", "held_out")}
+    if split != {"seed": cfg.run.seed, "held_out": cfg.data.held_out}:
+        raise GateRefused(
+            "band",
+            f"{cfg.data.band_file} was banded with run.seed {split['seed']} and data.held_out {split['held_out']}, this run "
+            f"uses {cfg.run.seed} and {cfg.data.held_out}: its prompts may include the canary's held-out problems; band again",
+        )
     return manifest
 
 

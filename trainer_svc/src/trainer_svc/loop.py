@@ -97,6 +97,8 @@ def train(cfg: Config, *, stage: str = "grpo", make_sampler: Callable[[Config, s
     tokenizer = load_tokenizer(cfg.model.path)
     verifier = Verifier()
     gate_figures = run_launch_gates(cfg, dist_info, tokenizer, train_problems + held_out, verifier)
+    if dist_info.is_main:  # only a config that passed the gates becomes the run's
+        (run_dir / "config.resolved.toml").write_bytes(dump(cfg))
 
     dtype = resolve_dtype(cfg.model.dtype, dist_info.device)
     model = load_policy(cfg.model.path, dtype, dist_info, activation_checkpointing=cfg.model.activation_checkpointing)
@@ -188,7 +190,6 @@ def setup_process(cfg: Config, dist_info: Distributed) -> None:
         torch.use_deterministic_algorithms(True)
     if dist_info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / "config.resolved.toml").write_bytes(dump(cfg))
 
 
 def run_launch_gates(cfg: Config, dist_info: Distributed, tokenizer, problems, verifier: Verifier) -> dict:
