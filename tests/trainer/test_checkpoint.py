@@ -187,3 +187,24 @@ def test_load_optimizer_state_restores_adam_moments(tmp_path, trained, base_mode
     # the restore did not move the weights it was given
     for name, tensor in load_model(ck.path).state_dict().items():
         assert torch.equal(fresh_model.state_dict()[name], tensor), name
+
+
+def test_load_weights_reads_a_checkpoint_in_one_file_or_in_shards(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainer_svc.checkpoint import load_weights
+
+    tensors = {"a.weight": torch.arange(6.0).view(2, 3), "b.weight": torch.ones(4), "c.bias": torch.zeros(2)}
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    whole.mkdir()
+    sharded.mkdir()
+    save_file(tensors, whole / "model.safetensors")
+    save_file({"a.weight": tensors["a.weight"]}, sharded / "model-00001-of-00002.safetensors")
+    save_file({k: tensors[k] for k in ("b.weight", "c.bias")}, sharded / "model-00002-of-00002.safetensors")
+    for directory in (whole, sharded):
+        loaded = load_weights(directory)
+        assert loaded.keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(loaded[name], tensor)
+    with pytest.raises(FileNotFoundError, match="no safetensors"):
+        load_weights(tmp_path)

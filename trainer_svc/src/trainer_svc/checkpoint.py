@@ -128,6 +128,20 @@ def save(
     return Checkpoint(final, step, content_id)
 
 
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whether in one safetensors file or in shards (large models
+    are saved in several, listed by model.safetensors.index.json)."""
+    from safetensors.torch import load_file
+
+    shards = sorted(Path(path).glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{path} holds no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(shard))
+    return weights
+
+
 def load_trainer_state(checkpoint: Checkpoint) -> dict:
     state_dir = checkpoint.path / STATE_DIR
     _load_rng(state_dir / "rng.safetensors")

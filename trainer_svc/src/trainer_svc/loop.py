@@ -266,11 +266,7 @@ def resume(cfg: Config, model, optimizer, scheduler, stream: PromptStream, tripw
     latest = ckpt.latest(cfg.run_dir)
     if latest is None:
         return RunState(), None
-    from safetensors.torch import load_file
-
-    weights = load_file(latest.path / "model.safetensors") if (latest.path / "model.safetensors").exists() else None
-    if weights is None:
-        raise RuntimeError(f"{latest.path}: sharded checkpoints cannot be resumed yet; keep the model in one file")
+    weights = ckpt.load_weights(latest.path)
     if dist_info.world_size == 1:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
