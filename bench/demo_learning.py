@@ -34,7 +34,12 @@ def main() -> None:
     result = json.loads((ROOT / "runs" / "demo" / "stage_result.json").read_text())
     rows = [json.loads(line) for line in (ROOT / "runs" / "demo" / "metrics.jsonl").read_text().splitlines()]
     s = result["summary"]
+    sft = json.loads((ROOT / "runs" / "demo" / "sft-model" / "sft_report.json").read_text())
+    canary = result["canary_history"]
     figures = {
+        "warm_up_steps": sft["steps"],
+        "warm_up_sampled_accuracy": round(sft["sampled_accuracy"], 3),
+        "canary_held_out_accuracy": {h["step"]: round(h["accuracy"], 3) for h in canary},
         "make_demo_minutes": round(minutes, 2),
         "grpo_steps": s["steps"],
         "reward_first_10": round(s["reward_first"], 3),

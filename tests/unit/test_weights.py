@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 
 from protocol.messages import ErrorCode
 from rollout_svc.engines.base import RequestFailed
-from rollout_svc.weights import WeightsPolicy, check_tokenizer_fits, content_id
+from protocol.content_id import weights_content_id as content_id
+from rollout_svc.weights import WeightsPolicy, check_tokenizer_fits
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 8}
 

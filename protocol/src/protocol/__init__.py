@@ -4,6 +4,7 @@
 - spool: the crash-safe filesystem spool (its docstring lists the guarantees);
 - watch: file events as hints that wake a scanner;
 - client: submit and wait with deadlines;
+- evaluation, jsonl: eval jobs through the spool, and the JSONL reading they share with the trainer;
 - cli: `spoolctl`, the operator's view of a spool.
 """
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .client import SpoolClient
+from .jsonl import json_lines
 from .messages import Request
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -74,31 +75,19 @@ def extract_number(completion: str) -> str | None:
 def read_rows(path: str | Path, template: str = "{question}") -> list[EvalRow]:
     """Read a JSONL prompt file. `template` builds the prompt of GSM8K rows from `question`."""
     rows = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"{path}:{number}"
+    for _, where, data in json_lines(path, RowError):
+        if not isinstance(data, dict):
+            raise RowError(f"{where}: expected an object with 'prompt', or 'question' and 'answer'")
+        if isinstance(data.get("prompt"), str):
+            rows.append(EvalRow(data["prompt"], None, data))
+        elif isinstance(data.get("question"), str) and isinstance(data.get("answer"), str):
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise RowError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
+                gold = gold_from_answer(data["answer"])
             except ValueError as exc:
-                raise RowError(f"{where}: not JSON ({exc})") from None
-            if not isinstance(data, dict):
-                raise RowError(f"{where}: expected an object with 'prompt', or 'question' and 'answer'")
-            if isinstance(data.get("prompt"), str):
-                rows.append(EvalRow(data["prompt"], None, data))
-            elif isinstance(data.get("question"), str) and isinstance(data.get("answer"), str):
-                try:
-                    gold = gold_from_answer(data["answer"])
-                except ValueError as exc:
-                    raise RowError(f"{where}: {exc}") from None
-                rows.append(EvalRow(template.format(question=data["question"]), gold, data))
-            else:
-                raise RowError(f"{where}: expected a string 'prompt', or string 'question' and 'answer'")
+                raise RowError(f"{where}: {exc}") from None
+            rows.append(EvalRow(template.format(question=data["question"]), gold, data))
+        else:
+            raise RowError(f"{where}: expected a string 'prompt', or string 'question' and 'answer'")
     if not rows:
         raise RowError(f"{path} holds no rows")
     return rows

@@ -83,7 +83,7 @@ class WeightsPolicy:
         shards = _shards(real, weights_dir)
         for shard in shards:
             _check_safetensors_header(Path(real) / shard, weights_dir)
-        return Weights(weights_dir, real, content_id(real, shards), config, tuple(shards))
+        return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards))
 
 
 def _read_config(real: str, shown: str) -> dict:
@@ -142,10 +142,6 @@ def _check_safetensors_header(path: Path, shown: str) -> None:
             raise ValueError(f"tensors need {8 + header_len + end} bytes, the file has {size}")
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/{path.name} is not a valid safetensors file ({exc}); copy it again") from None
-
-
-def content_id(real: str, shards: list[str] | tuple[str, ...]) -> str:
-    return weights_content_id(real, shards)
 
 
 def check_tokenizer_fits(weights: Weights, tokenizer_size: int) -> None:

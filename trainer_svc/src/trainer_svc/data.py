@@ -13,7 +13,6 @@ trailing ".0" removed), so it compares directly with rewards.extract_answer's ou
 
 from __future__ import annotations
 
-import json
 import operator
 import random
 from collections.abc import Iterator, Sequence
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.evaluation import gold_from_answer, normalise_number
+from protocol.jsonl import json_lines
 
 # op -> (id prefix, function)
 OPERATIONS = {"+": ("add", operator.add), "-": ("sub", operator.sub), "*": ("mul", operator.mul)}
@@ -75,13 +75,11 @@ def read_gsm8k(path: str | Path, template: str = "{question}") -> list[Problem]:
     _check_template(template)
     path = Path(path)
     problems = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"{path}:{number}"
-            row = _parse_line(raw, where)
-            if row is not None:
-                prompt, gold = _prompt_and_gold(row, template, where)
-                problems.append(Problem(f"{path.stem}-{number}", prompt, gold))
+    for number, where, row in json_lines(path, DataError):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        prompt, gold = _prompt_and_gold(row, template, where)
+        problems.append(Problem(f"{path.stem}-{number}", prompt, gold))
     if not problems:
         raise DataError(f"{path}: no rows")
     return problems
@@ -100,23 +98,6 @@ def _check_template(template: str) -> None:
         template.format(question="")
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"template {template!r} must use only the field {{question}}: {exc!r}") from None
-
-
-def _parse_line(raw: bytes, where: str) -> dict | None:
-    """The row on one line, or None for a blank line."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if not line.strip():
-        return None
-    try:
-        row = json.loads(line)
-    except ValueError as exc:
-        raise DataError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    return row
 
 
 def _prompt_and_gold(row: dict, template: str, where: str) -> tuple[str, str]:

@@ -46,7 +46,7 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
     old = old_logprobs(model, batch, cfg)
     ref = old_logprobs(reference, batch, cfg) if reference is not None else None
     scale = grpo.rank_scale(dist_info.world_size)
-    sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0}
+    sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "weight": 0.0}
     offset = 0
     for mb in micro_batches(batch, cfg.train.grad_accum):
         rows = slice(offset, offset + len(mb))
@@ -63,6 +63,7 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
         (loss * scale).backward()
         sums["loss"] += float(loss.detach())
         sums["entropy"] += float((weights * entropy.detach()).sum())
+        sums["weight"] += float(weights.sum())
         sums["clip_low"] += float(stats["clip_fraction_low"]) * float(mb.mask.sum())
         sums["clip_high"] += float(stats["clip_fraction_high"]) * float(mb.mask.sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
@@ -73,9 +74,9 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
     mismatch = (old - batch.rollout_logprobs).abs() * batch.mask
     return {
         "loss": sums["loss"],
-        # weights sum to 1 over the step under the token denominator; report per-token means
-        "entropy": _per_token(sums["entropy"], batch, totals, cfg),
-        "kl": _per_token(sums["kl"], batch, totals, cfg),
+        # weighted sums over this rank's tokens, reported as weighted means per token
+        "entropy": _weighted_mean(sums["entropy"], sums["weight"]),
+        "kl": _weighted_mean(sums["kl"], sums["weight"]),
         "clip_fraction_low": sums["clip_low"] / tokens,
         "clip_fraction_high": sums["clip_high"] / tokens,
         "grad_norm": float(_full(grad_norm)),
@@ -85,10 +86,7 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
     }
 
 
-def _per_token(weighted_sum: float, batch: Batch, totals: StepTotals, cfg: Config) -> float:
-    """A weighted sum under the step's token weights, turned into a mean per token of this rank."""
-    weights = grpo.token_weights(batch.mask, cfg.loss.denominator, step_tokens=totals.tokens, step_sequences=totals.sequences, max_tokens=cfg.rollout.max_tokens)
-    total_weight = float(weights.sum())
+def _weighted_mean(weighted_sum: float, total_weight: float) -> float:
     return weighted_sum / total_weight if total_weight > 0 else 0.0
 
 
