@@ -93,3 +93,22 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes} bytes")
     return data
+
+
+def replace_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Make `path` hold `data`, replacing what it held: readers see the old file or the new
+    one, never a part. The scratch file lives beside `path`, on its filesystem."""
+    publish(path.parent, path, data, replace=True, durable=durable)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (and `root`), children before parents, so
+    that a later rename of `root` publishes contents that survive a power cut."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(directory))
