@@ -165,6 +165,21 @@ def test_ceiling_refuses_an_overlong_buffer_that_taxes_a_perfect_answer(cfg, tok
     refused("ceiling", gates.check_ceiling, receipt, tmp_path)
 
 
+def test_ceiling_reads_decimal_golds_and_rejects_their_successor(cfg, tokenizer):
+    decimals = [Problem("a", "?", "2.5"), Problem("b", "?", "-0.25"), Problem("c", "?", "1,000")]
+    with Verifier(use_math_verify=False) as verifier:
+        receipt = gates.ceiling_receipt(cfg, decimals, tokenizer, verifier)
+    assert (receipt["perfect_rate"], receipt["wrong_rate"]) == (1.0, 0.0)
+
+
+def test_ceiling_catches_a_lax_tolerance(cfg, tokenizer, tmp_path):
+    problems = [Problem("a", "?", "2.5"), Problem("b", "?", "7")]
+    with Verifier(use_math_verify=False, rel_tol=0.5) as lax:  # 3.5 passes for 2.5, 8 not for 7
+        receipt = gates.ceiling_receipt(cfg, problems, tokenizer, lax)
+    assert (receipt["perfect_rate"], receipt["wrong_rate"]) == (1.0, 0.5)
+    assert "a wrong one 50%" in refused("ceiling", gates.check_ceiling, receipt, tmp_path)
+
+
 # -- band ----------------------------------------------------------------------------------------
 
 

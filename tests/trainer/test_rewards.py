@@ -1,5 +1,5 @@
-"""Rewards: answer extraction, format, DAPO's overlong penalty, scoring, the verifier (numeric,
-math-verify in a worker process, timeouts) and the ceiling check."""
+"""Rewards: format, DAPO's overlong penalty, scoring, the verifier (protocol.answers' verdicts,
+math-verify in a worker process, timeouts), and its agreement with the eval jobs' grading."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import time
 
 import pytest
 
-from trainer_svc.data import Problem, arithmetic_problems
+from protocol import answers
+
 from trainer_svc.rewards import (
     RewardBreakdown,
     RewardConfig,
     Verifier,
-    ceiling_check,
-    extract_answer,
     format_ok,
     overlong_penalty,
     score,
@@ -55,38 +54,6 @@ class AcceptsEverything(Verifier):
 def numeric_verifier():
     with Verifier(use_math_verify=False) as verifier:
         yield verifier
-
-
-# -- extract_answer ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("20", "20"),
-        ("-3", "-3"),
-        (" 7\n", "7"),
-        ("0", "0"),
-        ("The answer is 1,234.", "1234"),
-        ("it is 12.0 apples", "12"),
-        ("3 then 4 then 5", "5"),
-        ("#### 42", "42"),
-        ("3 + 4 = 7\n#### 7\nQuestion: what is 90 + 9?", "7"),
-        ("#### 5 and later #### 6", "6"),
-        ("#### $1,000.00", "1000"),
-        ("99\n#### no number here", None),
-        ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
-        ("\\boxed{1} then \\boxed{ 2,500 }", "2500"),
-        ("\\boxed{2.50}", "2.50"),
-        ("\\boxed{x^{2}} and a later \\boxed{3", "x^{2}"),
-        ("\\boxed{12", "12"),
-        ("\\boxed{ }", None),
-        ("", None),
-        ("no digits", None),
-    ],
-)
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
 
 
 # -- format_ok -----------------------------------------------------------------------------------
@@ -287,43 +254,21 @@ def test_close_is_idempotent_and_the_verifier_still_works_after_it():
     verifier.close()
 
 
-# -- ceiling_check -------------------------------------------------------------------------------
+# -- one definition of a correct answer ----------------------------------------------------------
 
 
-def test_ceiling_on_arithmetic_is_perfect(numeric_verifier):
-    problems = arithmetic_problems(0, 20, "+-*")
-    assert ceiling_check(problems, numeric_verifier) == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": len(problems)}
-
-
-def test_ceiling_with_decimal_golds(numeric_verifier):
-    problems = [Problem("a", "?", "2.5"), Problem("b", "?", "-0.25")]
-    assert ceiling_check(problems, numeric_verifier) == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": 2}
-
-
-def test_ceiling_of_a_verifier_that_accepts_nothing_is_zero():
-    result = ceiling_check(arithmetic_problems(0, 3), RejectsEverything(use_math_verify=False))
-    assert result == {"perfect_rate": 0.0, "wrong_rate": 0.0, "n": 16}
-
-
-def test_ceiling_catches_a_verifier_that_accepts_wrong_answers():
-    result = ceiling_check(arithmetic_problems(0, 3), AcceptsEverything(use_math_verify=False))
-    assert result == {"perfect_rate": 1.0, "wrong_rate": 1.0, "n": 16}
-
-
-def test_ceiling_catches_a_lax_tolerance():
-    problems = [Problem("a", "?", "2.5"), Problem("b", "?", "7")]
-    with Verifier(use_math_verify=False, rel_tol=0.5) as lax:
-        assert ceiling_check(problems, lax) == {"perfect_rate": 1.0, "wrong_rate": 0.5, "n": 2}
-
-
-def test_ceiling_with_non_numeric_golds_through_math_verify():
-    pytest.importorskip("math_verify")
-    problems = [Problem("half", "?", "\\frac{1}{2}"), Problem("poly", "?", "x^2+1"), Problem("n", "?", "7")]
-    with Verifier() as verifier:
-        assert ceiling_check(problems, verifier) == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": 3}
-        assert verifier.second_opinions == 2  # the two wrong non-numeric answers; the rest are decided here
-
-
-def test_ceiling_of_no_problems_is_an_error(numeric_verifier):
-    with pytest.raises(ValueError, match="at least one problem"):
-        ceiling_check([], numeric_verifier)
+@pytest.mark.parametrize(
+    "completion, gold",
+    [
+        ("20", "20"),
+        ("so 12.0", "12"),
+        ("#### 1,234", "1234"),
+        ("\\boxed{2.5000001}", "2.5"),
+        ("the answer is 7\n#### 8", "7"),
+        ("\\boxed{x+1}", "x+1"),
+        ("no answer", "3"),
+        ("3 then 4", "3"),
+    ],
+)
+def test_rewards_and_eval_jobs_agree_where_no_second_opinion_is_needed(numeric_verifier, completion, gold):
+    assert numeric_verifier.is_correct(completion, gold) is answers.is_correct(completion, gold)

@@ -19,8 +19,9 @@ from protocol.content_id import weights_content_id
 from trainer_svc import checkpoint as ckpt
 from trainer_svc.band import run_band
 from trainer_svc.gates import GateRefused
-from trainer_svc.loop import load_problems, train
-from trainer_svc.rewards import Verifier, extract_answer
+from trainer_svc.data import load_problems
+from trainer_svc.loop import train
+from trainer_svc.rewards import Verifier
 from trainer_svc.rollout import Sample
 
 TIMING_KEYS = {"rollout_s", "train_s", "save_s", "step_s"}
@@ -222,7 +223,7 @@ def test_the_canary_answers_held_out_problems_greedily(warm_model, tmp_path):
     weights = [str(warm_model)] + [str(step_dir(cfg.run_dir, s)) for s in (2, 4, 6)]
     assert [r["weights_dir"] for r in rows] == weights
 
-    train_problems, held_out = load_problems(cfg)
+    train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
     canary_prompts = [p.prompt for p in held_out[:5]]
     assert not set(canary_prompts) & {p.prompt for p in train_problems}
     calls = launcher.calls("canary")
@@ -238,7 +239,7 @@ def test_the_canary_answers_held_out_problems_greedily(warm_model, tmp_path):
     # the recorded accuracy is the greedy answers' accuracy
     with Verifier() as verifier:
         for row, call in zip(rows, calls):
-            right = [verifier.verify(extract_answer(g.samples[0].text), p.gold) for g, p in zip(call["groups"], held_out[:5])]
+            right = [verifier.is_correct(g.samples[0].text, p.gold) for g, p in zip(call["groups"], held_out[:5])]
             assert row["accuracy"] == sum(right) / 5
     # training never sampled a held-out problem
     assert not {p for c in launcher.calls("train") for p in c["prompts"]} & set(p.prompt for p in held_out)
@@ -315,10 +316,10 @@ def test_band_file_is_made_from_the_starting_model_and_refused_for_another(warm_
 
     # the counts are what the samples say: pass rate of 4 samples per candidate, in [low, high] or not
     assert all(c["tag"] == "band" and c["n"] == 4 and c["weights_dir"] == model for c in sampler.calls)
-    candidates = load_problems(band_cfg)[0][:20]
+    candidates = load_problems(band_cfg.data, band_cfg.run.seed)[0][:20]
     assert [p for c in sampler.calls for p in c["prompts"]] == [p.prompt for p in candidates]
     with Verifier() as verifier:
-        rates = [sum(verifier.verify(extract_answer(s.text), p.gold) for s in g.samples) / 4
+        rates = [sum(verifier.is_correct(s.text, p.gold) for s in g.samples) / 4
                  for p, g in zip(candidates, [g for c in sampler.calls for g in c["groups"]])]
     assert [(p.prompt, r) for p, r in zip(candidates, rates) if 0.1 <= r <= 0.9] == [(r["prompt"], r["pass_rate"]) for r in rows]
     assert manifest["counts"] == {"never": sum(r < 0.1 for r in rates), "band": len(rows), "always": sum(r > 0.9 for r in rates)}

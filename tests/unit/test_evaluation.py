@@ -14,16 +14,8 @@ from typer.testing import CliRunner
 import protocol.evaluation as evaluation
 from protocol.cli import app
 from protocol.client import SpoolClient
-from protocol.evaluation import (
-    EvalRow,
-    RowError,
-    extract_number,
-    gold_from_answer,
-    normalise_number,
-    read_rows,
-    run_eval,
-    write_rows,
-)
+from protocol.answers import extract_number, gold_from_answer, normalise_number
+from protocol.evaluation import EvalRow, RowError, read_rows, run_eval, write_rows
 from protocol.messages import ErrorCode
 from protocol.spool import RequestExists
 from rollout_svc.engines import RequestFailed

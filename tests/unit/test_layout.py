@@ -60,3 +60,78 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in commands and "make demo" in commands
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, flags=re.M)
+
+
+def module_imports(package_dir: Path) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports, anywhere in its code (lazy imports
+    inside functions included): `from . import x`, `from .x import y`, `import pkg.x`."""
+    package = package_dir.name
+    modules = {
+        ".".join(path.relative_to(package_dir).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in package_dir.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                if not node.level and (node.module or "").split(".")[0] != package:
+                    continue
+                target = base + (node.module.split(".") if node.module else [])
+                if not node.level:
+                    target = target[1:]
+                candidates = [".".join(target + [alias.name]) for alias in node.names] + [".".join(target)]
+                found.update(c for c in candidates if c in modules and c != name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == package and ".".join(parts[1:]) in modules:
+                        found.add(".".join(parts[1:]))
+        graph[name] = found - {""}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as a path that ends where it starts; None when there is none."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        for nxt in sorted(graph.get(node, ())):
+            cycle = visit(nxt, path + [node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+@pytest.mark.parametrize("package", ["protocol/src/protocol", "rollout_svc/src/rollout_svc", "trainer_svc/src/trainer_svc"])
+def test_no_module_imports_one_that_imports_it(package):
+    graph = module_imports(ROOT / package)
+    assert len(graph) > 5 and any(graph.values())  # the scan found the modules and their imports
+    assert import_cycle(graph) is None
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub.b import thing\n")
+    (pkg / "sub" / "b.py").write_text("def thing():\n    from ..a import x\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    graph = module_imports(pkg)
+    assert graph["a"] == {"sub.b"} and graph["sub.b"] == {"a"} and graph["c"] == {"a"}
+    assert import_cycle(graph) in (["a", "sub.b", "a"], ["sub.b", "a", "sub.b"])

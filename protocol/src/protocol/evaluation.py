@@ -11,26 +11,25 @@ Input rows (JSONL), one of:
     write_rows("out.jsonl", report.rows)
     print(report.accuracy)
 
-A completion is correct when the last number in it equals the gold number (commas and a
-trailing ".0" ignored). `accuracy` averages over every sample of every row that has an answer.
+A completion is correct as protocol.answers defines it, the definition the trainer's rewards use
+(the answer after "####", else in the last \\boxed{}, else the last number; equal by value).
+`accuracy` averages over every sample of every row that has an answer.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .answers import extract_answer, gold_from_answer, verdict
 from .client import SpoolClient
+from .fsio import replace_atomic
 from .jsonl import json_lines
 from .messages import Request
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
 
 class RowError(ValueError):
     """A prompt file row that cannot be used; the message names the file and line."""
@@ -48,28 +47,6 @@ class EvalReport:
     rows: list[dict]  # one output row per input row
     accuracy: float | None  # None when no row has an answer
     seconds: float
-
-
-def normalise_number(text: str) -> str:
-    text = text.replace(",", "").strip()
-    if re.fullmatch(r"-?\d+\.0*", text):
-        text = text.split(".")[0]
-    return text
-
-
-def gold_from_answer(answer: str) -> str:
-    if "####" not in answer:
-        raise ValueError("answer has no '#### <number>' line")
-    gold = normalise_number(answer.rsplit("####", 1)[1])
-    if not _NUMBER.fullmatch(gold):
-        raise ValueError(f"the text after '####' is not a number: {gold!r}")
-    return gold
-
-
-def extract_number(completion: str) -> str | None:
-    """The last number in a completion, normalised; None when there is none."""
-    found = _NUMBER.findall(completion)
-    return normalise_number(found[-1]) if found else None
 
 
 def read_rows(path: str | Path, template: str = "{question}") -> list[EvalRow]:
@@ -137,8 +114,8 @@ def run_eval(
     for row, texts in zip(rows, completions, strict=True):
         record = dict(row.source or {}, prompt=row.prompt, completions=texts)
         if row.gold is not None:
-            predicted = [extract_number(t) for t in texts]
-            hits = [p == row.gold for p in predicted]
+            predicted = [extract_answer(t) for t in texts]
+            hits = [verdict(p, row.gold) is True for p in predicted]
             record.update(gold=row.gold, predicted=predicted, correct=hits)
             scored += len(hits)
             correct += sum(hits)
@@ -150,8 +127,4 @@ def run_eval(
 def write_rows(path: str | Path, rows: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    partial.replace(path)
+    replace_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode())

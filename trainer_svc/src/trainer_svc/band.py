@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 from protocol.content_id import weights_content_id
+from protocol.fsio import replace_atomic
 
 from .config import Config
-from .outputs import write_text_atomic
-from .rewards import Verifier, extract_answer
+from .data import load_problems
+from .rewards import Verifier
 
 BATCH = 64  # prompts per request
 
@@ -30,9 +31,8 @@ def band_path(cfg: Config) -> Path:
 
 
 def run_band(cfg: Config, sampler=None) -> dict:
-    from .loop import load_problems
 
-    candidates, _ = load_problems(cfg)
+    candidates, _ = load_problems(cfg.data, cfg.run.seed)
     if cfg.band.candidates:
         candidates = candidates[: cfg.band.candidates]
     own_sampler = sampler is None
@@ -51,7 +51,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
                 attempt=0, seed=cfg.run.seed + start, n=cfg.band.samples, tag="band",
             )
             for problem, group in zip(batch, groups, strict=True):
-                rate = sum(verifier.verify(extract_answer(s.text), problem.gold) for s in group.samples) / len(group.samples)
+                rate = sum(verifier.is_correct(s.text, problem.gold) for s in group.samples) / len(group.samples)
                 if rate < cfg.band.low:
                     counts["never"] += 1
                 elif rate > cfg.band.high:
@@ -76,7 +76,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
                      "seed": cfg.run.seed, "held_out": cfg.data.held_out},
         "created_at": time.time(),
     }
-    write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
-    write_text_atomic(Path(str(out) + ".manifest.json"), json.dumps(manifest, indent=1) + "\n")
+    replace_atomic(out, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    replace_atomic(Path(str(out) + ".manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
     return {"path": str(out), **manifest}
 

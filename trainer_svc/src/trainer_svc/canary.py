@@ -1,6 +1,10 @@
 """The canary: every `canary.every` steps, greedy answers to held-out problems through the
-spool, from the newest checkpoint. Its accuracy (canary.jsonl, stage_result.json) shows
-whether the policy improves on problems it never trained on, not only on its training prompts."""
+spool, from the newest weights. Its accuracy (canary.jsonl, stage_result.json) shows whether
+the policy improves on problems it never trained on, not only on its training prompts.
+
+The canary of step 0 answers from the starting model; a later one only from trained weights (a
+canary due before the first trained weights exist is skipped, not run on the starting model).
+"""
 
 from __future__ import annotations
 
@@ -10,32 +14,44 @@ from pathlib import Path
 
 from .config import Config
 from .data import Problem
-from .rewards import Verifier, extract_answer
+from .rewards import Verifier
+from .sampling import Sampler, WeightsRef
 
 CANARY_FILE = "canary.jsonl"
 
 
 class Canary:
-    def __init__(self, cfg: Config, held_out: list[Problem], verifier: Verifier, resumed_step: int = 0):
-        self.every = cfg.canary.every
+    def __init__(self, cfg: Config, held_out: list[Problem], verifier: Verifier, sampler: Sampler | None,
+                 resumed_step: int = 0):
+        """`sampler` None: a canary that never runs (ranks other than 0)."""
+        self.every = cfg.canary.every if sampler is not None else 0
         self.problems = held_out[: cfg.canary.problems]
         self.verifier = verifier
+        self.sampler = sampler
         self.path = Path(cfg.run_dir) / CANARY_FILE
-        kept = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
-        self.history = [h for h in kept if h["step"] <= resumed_step]  # later ones will be redone
-        if self.path.exists():
+        self.history: list[dict] = []
+        if sampler is not None and self.path.exists():
+            kept = [json.loads(line) for line in self.path.read_text().splitlines()]
+            self.history = [h for h in kept if h["step"] <= resumed_step]  # later ones will be redone
             self.path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and not any(h["step"] == step for h in self.history)
 
-    def run(self, sampler, *, step: int, weights_dir: str, content_id: str | None) -> dict:
-        groups = sampler.sample(
-            [p.prompt for p in self.problems], weights_dir=weights_dir, content_id=content_id,
+    def maybe_run(self, step: int, weights: WeightsRef) -> dict:
+        """The canary's metrics ({"canary_accuracy": ...}) when it is due at `step`, else {}."""
+        if not self.due(step) or (step > 0 and weights.step is None):
+            return {}
+        return {"canary_accuracy": self.run(step, weights)["accuracy"]}
+
+    def run(self, step: int, weights: WeightsRef) -> dict:
+        groups = self.sampler.sample(
+            [p.prompt for p in self.problems], weights_dir=weights.dir, content_id=weights.content_id,
             step=step, attempt=0, seed=0, n=1, temperature=0.0, tag="canary",
         )
-        correct = [self.verifier.verify(extract_answer(g.samples[0].text), p.gold) for p, g in zip(self.problems, groups, strict=True)]
-        record = {"step": step, "accuracy": sum(correct) / len(correct), "n": len(correct), "weights_dir": weights_dir, "time": time.time()}
+        correct = [self.verifier.is_correct(g.samples[0].text, p.gold) for p, g in zip(self.problems, groups, strict=True)]
+        record = {"step": step, "accuracy": sum(correct) / len(correct), "n": len(correct), "weights_dir": weights.dir,
+                  "time": time.time()}
         self.history.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

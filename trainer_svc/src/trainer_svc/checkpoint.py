@@ -18,16 +18,21 @@ content id is unique per save: a worker can tell two saves of one path apart.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from protocol.fsio import fsync_dir, fsync_tree
+
 from .model import Distributed
+
+log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
 STATE_DIR = "trainer_state"
@@ -41,6 +46,15 @@ class Checkpoint:
     path: Path
     step: int
     content_id: str
+
+
+@dataclass
+class RunState:
+    """Where a run stands, besides weights, optimizer and RNG; a resume restores it."""
+
+    step: int = 0
+    horizon: int | None = None  # train.steps the run was started with (None: a fresh run)
+    started_at: float = field(default_factory=time.time)
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -94,8 +108,10 @@ def save(
     base_model: Path,
     trainer_state: dict,
     dist_info: Distributed,
+    pin_reason: str | None = None,
 ) -> Checkpoint | None:
-    """Write checkpoint `step` (all ranks call; rank 0 writes). Returns it on rank 0."""
+    """Write checkpoint `step` (all ranks call; rank 0 writes). Returns it on rank 0. With
+    `pin_reason` it is written pinned (never pruned)."""
     weights = full_state_dict(model, dist_info)
     optimizer_state = full_optimizer_state(model, optimizer, dist_info)
     if not dist_info.is_main:
@@ -117,15 +133,36 @@ def save(
         (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
         manifest = {"step": step, "content_id": content_id, "base_model": str(base_model), "created_at": time.time()}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        _fsync_tree(staging)
+        if pin_reason is not None:
+            pin(staging, pin_reason)
+        fsync_tree(staging)
         if final.exists():  # a save of this step from a run that stopped before recording it
             shutil.rmtree(final)
         os.rename(staging, final)
-        _fsync(final.parent)
+        fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Checkpoint(final, step, content_id)
+
+
+def save_and_prune(cfg, step: int, policy, trainer_state: dict, dist_info: Distributed,
+                   pin_reason: str | None = None) -> Checkpoint:
+    """Save checkpoint `step`, then keep the newest `checkpoint.keep_last` (and pinned ones).
+    Every rank calls it and gets the new checkpoint back."""
+    saved = save(
+        run_dir=cfg.run_dir, step=step, model=policy.model, optimizer=policy.optimizer, base_model=Path(cfg.model.path),
+        trainer_state=trainer_state, dist_info=dist_info, pin_reason=pin_reason,
+    )
+    if dist_info.is_main:
+        prune(cfg.run_dir, cfg.checkpoint.keep_last)
+    if dist_info.world_size > 1:  # also the barrier: no rank runs ahead of the save
+        import torch.distributed as dist
+
+        box = [saved]
+        dist.broadcast_object_list(box, src=0)
+        saved = box[0]
+    return saved
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -188,16 +225,26 @@ def _load_rng(path: Path) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def restore(run_dir: Path, model, optimizer, scheduler, stream, tripwire, dist_info: Distributed):
+    """Continue from the newest checkpoint of run_dir, if there is one: weights, optimizer, RNG,
+    scheduler, data cursor and tripwire. Returns (RunState, the checkpoint or None)."""
+    found = latest(run_dir)
+    if found is None:
+        return RunState(), None
+    weights = load_weights(found.path)
+    if dist_info.world_size == 1:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(f"{found.path} does not match the model: missing {missing}, unexpected {unexpected}")
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-
-def _fsync_tree(root: Path) -> None:
-    for directory, _, files in os.walk(root):
-        for name in files:
-            _fsync(Path(directory) / name)
-        _fsync(Path(directory))
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    load_optimizer_state(model, optimizer, found.path / STATE_DIR / "optimizer.pt", dist_info)
+    saved = load_trainer_state(found)
+    scheduler.load_state_dict(saved["scheduler"])
+    stream.load_state_dict(saved["stream"])
+    tripwire.load_state_dict(saved["tripwire"])
+    log.info("RESUMED from %s at step %d", found.path, saved["step"])
+    return RunState(step=saved["step"], horizon=saved["horizon"], started_at=saved["started_at"]), found

@@ -93,14 +93,25 @@ class LossConfig(Struct):
     dead_group_retries: NonNegative = 1  # resamples of all-equal-reward groups per step
 
 
-class RewardSection(Struct):
-    correct: float = 1.0
-    format_weight: NonNegativeFloat = 0.0
+class RewardConfig(Struct):
+    """How a sample is scored (rewards.score): correct * correct + format and overlong terms,
+    which only ever subtract."""
+
+    correct: float = 1.0  # reward of a correct answer
+    format_weight: NonNegativeFloat = 0.0  # subtracted when the completion is not exactly an answer
     overlong_buffer: NonNegative = 0  # DAPO soft overlong penalty width in tokens; 0: off
+    overlong_weight: NonNegativeFloat = 1.0  # scale of the overlong penalty (which lies in [-1, 0])
     # A control experiment, off in real runs: each step's rewards are permuted across its
     # samples, so updates happen with no reward signal. A run that still "learns" so is
     # learning from something other than the reward.
     shuffle_control: bool = False
+
+    def __post_init__(self) -> None:
+        # Decoding checks these already; code that builds a RewardConfig gets the same refusal.
+        # Negative weights would turn the shaping terms into bonuses.
+        for name in ("format_weight", "overlong_weight", "overlong_buffer"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"reward.{name} must be >= 0, got {getattr(self, name)}")
 
 
 class CheckpointConfig(Struct):
@@ -149,7 +160,7 @@ class Config(Struct):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
-    reward: RewardSection = msgspec.field(default_factory=RewardSection)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
     tripwire: TripwireConfig = msgspec.field(default_factory=TripwireConfig)

@@ -7,8 +7,8 @@ and a resumable prompt stream.
     batch = stream.take(16)
     state = stream.state_dict()                        # JSON-serialisable; store with a checkpoint
 
-A problem's `gold` is normalised as protocol.evaluation.normalise_number does (commas and a
-trailing ".0" removed), so it compares directly with rewards.extract_answer's output.
+A problem's `gold` is normalised as protocol.answers.normalise_number does (commas and a
+trailing ".0" removed), so it compares directly with protocol.answers.extract_answer's output.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.evaluation import gold_from_answer, normalise_number
+from protocol.answers import gold_from_answer, normalise_number
 from protocol.jsonl import json_lines
+
+from .config import DataConfig
 
 # op -> (id prefix, function)
 OPERATIONS = {"+": ("add", operator.add), "-": ("sub", operator.sub), "*": ("mul", operator.mul)}
@@ -34,7 +36,7 @@ class DataError(ValueError):
 class Problem:
     id: str
     prompt: str
-    gold: str  # normalised as protocol.evaluation.normalise_number does
+    gold: str  # normalised as protocol.answers.normalise_number does
 
 
 # -- the demo task -------------------------------------------------------------------------------
@@ -159,6 +161,22 @@ def split(problems: Sequence[Problem], held_out: int, seed: int) -> tuple[list[P
     train = [p for i, p in enumerate(problems) if i not in chosen]
     kept = [p for i, p in enumerate(problems) if i in chosen]
     return train, kept
+
+
+def load_problems(data: DataConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """(training problems, held-out problems) of the [data] section. With a band file, training
+    uses its prompts; the held-out ones still come from the task (banding only ever saw training
+    problems)."""
+    if data.task == "arithmetic":
+        problems = arithmetic_problems(data.arithmetic_low, data.arithmetic_high, data.arithmetic_ops)
+    else:
+        problems = read_prompt_file(data.path)
+    train_problems, held_out = split(problems, data.held_out, seed)
+    if data.band_file:
+        if not Path(data.band_file).is_file():
+            raise DataError(f"data.band_file {data.band_file} does not exist; make it with `trainer-svc band`")
+        train_problems = read_prompt_file(data.band_file)
+    return train_problems, held_out
 
 
 class PromptStream:

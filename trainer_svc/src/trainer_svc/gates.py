@@ -16,12 +16,12 @@ import socket
 import time
 from pathlib import Path
 
-from protocol import exit_codes
+from protocol import answers, exit_codes
 from protocol.content_id import weights_content_id
 
 from .config import Config
 from .data import Problem
-from .rewards import RewardConfig, Verifier, score
+from .rewards import Verifier, score
 
 CEILING_PERFECT_MIN = 0.99
 CEILING_WRONG_MAX = 0.01
@@ -34,6 +34,28 @@ class GateRefused(RuntimeError):
     def __init__(self, gate: str, message: str):
         super().__init__(f"launch gate '{gate}' refused the run: {message}")
         self.gate = gate
+
+
+def run_all(cfg: Config, world_size: int, is_main: bool, tokenizer, problems: list[Problem], verifier: Verifier) -> dict:
+    """The gates in order, cheapest first; each refuses with GateRefused. Returns their figures for
+    the banner. The horizon gate runs later, once the schedule exists (check_horizon)."""
+    check_config(cfg, world_size)
+    receipt = ceiling_receipt(cfg, problems, tokenizer, verifier)
+    if is_main:  # rank 0 keeps the receipt
+        check_ceiling(receipt, cfg.run_dir)
+    elif receipt["perfect_rate"] < CEILING_PERFECT_MIN or receipt["wrong_rate"] > CEILING_WRONG_MAX:
+        raise GateRefused("ceiling", "see rank 0")
+    band = check_band(cfg)
+    live = None
+    if not cfg.rollout.spawn:
+        from protocol.spool import Spool
+
+        live = Spool(cfg.spool_dir, create=True).live_workers()
+    import torch
+
+    topology = check_topology(cfg, world_size, torch.cuda.device_count(), live)
+    ceiling = {k: receipt[k] for k in ("perfect_rate", "wrong_rate", "n")}
+    return {"ceiling": ceiling, "band": band, "topology": topology}
 
 
 def check_config(cfg: Config, world_size: int) -> None:
@@ -72,29 +94,25 @@ def ceiling_receipt(cfg: Config, problems: list[Problem], tokenizer, verifier: V
     A perfect completion is the gold text, ended by the model itself; it must get the full
     reward (`reward.correct`), format and length terms included. A wrong one (gold + 1) must not
     count as correct. A reward that cannot tell them apart trains nothing (the 0/100 trap)."""
-    reward_cfg = RewardConfig(correct=cfg.reward.correct, format_weight=cfg.reward.format_weight, overlong_buffer=cfg.reward.overlong_buffer)
     perfect, wrong, failures = 0, 0, []
     for p in problems:
         tokens = len(tokenizer(p.gold, add_special_tokens=False)["input_ids"]) + 1  # + end of sequence
-        best = score([(p.gold, "stop", tokens)], p.gold, reward_cfg, verifier, cfg.rollout.max_tokens)[0]
+        best = score([(p.gold, "stop", tokens)], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)[0]
         if best.total >= cfg.reward.correct - 1e-9:
             perfect += 1
         elif len(failures) < 5:
             failures.append({"prompt": p.prompt, "gold": p.gold, "reward": best.total, "correct": best.correct, "format_ok": best.format_ok})
-        bad = score([(_wrong(p.gold), "stop", tokens)], p.gold, reward_cfg, verifier, cfg.rollout.max_tokens)[0]
+        bad = score([(_wrong(p.gold), "stop", tokens)], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)[0]
         wrong += bad.correct
     n = len(problems)
     return {"n": n, "perfect_rate": perfect / n, "wrong_rate": wrong / n, "failures": failures, "created_at": time.time()}
 
 
 def _wrong(gold: str) -> str:
-    try:
-        return str(int(gold) + 1)
-    except ValueError:
-        try:
-            return str(float(gold) + 1)
-        except ValueError:
-            return gold + "0"
+    """An answer that must not count as `gold`: gold + 1, exactly, for numbers; else `gold+1`."""
+    canonical = answers.normalise_answer(gold)
+    number = answers.as_number(canonical) if canonical is not None else None
+    return str(number + 1) if number is not None else f"{gold}+1"
 
 
 def check_ceiling(receipt: dict, run_dir: Path) -> None:

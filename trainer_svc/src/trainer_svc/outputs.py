@@ -1,26 +1,30 @@
-"""What a run leaves in its directory: metrics.jsonl, stage_result.json, the resolved config,
-and the progress bar on a terminal."""
+"""What a run leaves in its directory and shows: metrics.jsonl, stage_result.json, the banner,
+and the progress bar on a terminal.
+
+Only rank 0 writes them: `Outputs` holds its sinks; other ranks get `Outputs.silent()`, whose
+sinks do nothing, so the training loop reads the same on every rank.
+"""
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from protocol import exit_codes
+from protocol.fsio import replace_atomic
+
+log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 STAGE_RESULT = "stage_result.json"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a part."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=1, default=str) + "\n")
+    """Readers see the old file or the new one, never a part (and it survives a power cut)."""
+    replace_atomic(path, (json.dumps(data, indent=1, default=str) + "\n").encode())
 
 
 class MetricsLog:
@@ -95,3 +99,99 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class Silent:
+    """A sink that does nothing: what ranks other than 0 write to."""
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def update(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Outputs:
+    """Where a run reports: metrics lines, the progress bar, the stage result."""
+
+    run_dir: Path | None  # None: report nothing (ranks other than 0)
+    metrics: MetricsLog | Silent
+    progress: Progress | Silent
+
+    @classmethod
+    def open(cls, run_dir: Path, total_steps: int, resumed_step: int) -> Outputs:
+        return cls(run_dir, MetricsLog(run_dir, resumed_step), Progress(total_steps, resumed_step))
+
+    @classmethod
+    def silent(cls) -> Outputs:
+        return cls(None, Silent(), Silent())
+
+    def step(self, row: dict) -> None:
+        self.metrics.write(row)
+        self.progress.update(row)
+
+    def stage_result(self, result: dict) -> None:
+        if self.run_dir is not None:
+            write_json_atomic(self.run_dir / STAGE_RESULT, result)
+            log.info("stage result: %s", self.run_dir / STAGE_RESULT)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
+
+
+def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_figures: dict) -> dict:
+    """What the run is, in one record: logged at start and kept in stage_result.json."""
+    band = gate_figures.get("band")
+    return {
+        "stage": stage,
+        "substrate": cfg.model.path,
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "band_file": cfg.data.band_file or None,
+        "band_prompts": band["rows"] if band else None,
+        "task": {"kind": cfg.data.task, "train_problems": n_problems, "held_out": cfg.data.held_out},
+        "shape": {
+            "prompts_per_step": cfg.rollout.prompts_per_step,
+            "G": cfg.rollout.samples_per_prompt,
+            "max_response_len": cfg.rollout.max_tokens,
+            "loss_denominator": cfg.loss.denominator,
+            "optimizer_steps": cfg.train.steps,
+            "grad_accum": cfg.train.grad_accum,
+        },
+        "ceiling": gate_figures["ceiling"],
+        "topology": {
+            **gate_figures["topology"],
+            "rollout": "spawned worker" if cfg.rollout.spawn else f"workers on {cfg.spool_dir}",
+        },
+        "safety": f"grad clip {cfg.train.max_grad_norm}, canary every {cfg.canary.every or 'off'}, "
+        f"tripwire {'armed' if cfg.tripwire.armed else 'off'} (window {cfg.tripwire.window}), "
+        f"policy lag <= {cfg.rollout.max_policy_lag}",
+    }
+
+
+def stage_result(
+    *, stage: str, banner: dict, exit_code: int, rows: list[dict], checkpoint: Path | None, canary_history: list,
+    tripwire: dict,
+) -> dict:
+    """The run's end in one record (stage_result.json): how it ended, its summary, its banner."""
+    totals = summary(rows)
+    return {
+        "stage": stage,
+        "exit_code": exit_code,
+        "finished": exit_code == exit_codes.OK,
+        "summary": totals,
+        "banner": banner,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "canary_history": canary_history,
+        "collapse_tripwire": tripwire,
+        "dead_groups": {
+            "initial": sum(r["dead_groups"] for r in rows),
+            "after_retry": sum(r["dead_groups_after_retry"] for r in rows),
+            "retries": sum(r["retries"] for r in rows),
+        },
+        "mismatch": {"mean": totals.get("mismatch_mean"), "max": totals.get("mismatch_max")},
+    }

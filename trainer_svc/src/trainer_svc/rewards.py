@@ -1,4 +1,4 @@
-"""Rewards: answer extraction, a verifier, format and overlong shaping, and a ceiling check.
+"""Rewards: a verifier, format and overlong shaping, and the score of each sample.
 
     verifier = Verifier()
     rewards = score([("20", "stop", 3), ("2", "length", 4)], gold="20",
@@ -10,7 +10,9 @@ The reward of a sample is
 
     total = correct * cfg.correct + format_weight * (format_ok - 1) + overlong_weight * overlong
 
-so with the default RewardConfig it is exactly 0 or 1, and the shaping terms only subtract: a
+where `correct` follows protocol.answers (the one definition of a correct answer, which eval
+jobs use too), with math-verify as a second opinion where that module cannot decide. With the
+default RewardConfig (the config's [reward] section) the total is exactly 0 or 1, and the shaping terms only subtract: a
 correct, well-formed answer that ends well before the token cap earns exactly `cfg.correct`.
 
 math-verify arms signal.alarm for its own timeouts, which works only on the main thread. Here it
@@ -27,66 +29,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from decimal import Decimal
 from multiprocessing import get_context
 
-from protocol.evaluation import extract_number, normalise_number
+from protocol import answers
+from protocol.answers import extract_answer
 
-from .data import Problem
+from .config import RewardConfig
 
 ANSWER_FORMAT = r"-?\d+"  # the arithmetic task: digits, maybe a leading minus, nothing else
-_PLAIN_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-_INTEGER = re.compile(r"-?\d+")
-_DECIMAL = re.compile(r"-?\d+\.\d+")
-_BOXED = "\\boxed{"
-
-
-# -- answers -------------------------------------------------------------------------------------
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion, normalised; None when it has none.
-
-    In order: the last number on the line after the last "####" (GSM8K's answer line); else the
-    content of the last complete \\boxed{...}; else the last number in the text. Numbers are
-    normalised as protocol.evaluation.normalise_number does ("1,234.0" -> "1234"); boxed content
-    that is not a plain number is returned stripped, as written.
-    """
-    if "####" in text:
-        answer_line = text.rsplit("####", 1)[1].split("\n", 1)[0]
-        return extract_number(answer_line)
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return _normalise_answer(boxed)
-    return extract_number(text)
-
-
-def _last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} whose braces close, nested braces included."""
-    start = text.rfind(_BOXED)
-    while start != -1:
-        content = _braced_content(text, start + len(_BOXED))
-        if content is not None:
-            return content
-        start = text.rfind(_BOXED, 0, start)
-    return None
-
-
-def _braced_content(text: str, begin: int) -> str | None:
-    depth = 1
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i]
-    return None
-
-
-def _normalise_answer(answer: str) -> str | None:
-    """Stripped; plain numbers normalised as protocol.evaluation does; None when empty."""
-    answer = answer.strip()
-    if _PLAIN_NUMBER.fullmatch(answer):
-        return normalise_number(answer)
-    return answer or None
 
 
 def format_ok(text: str, finish_reason: str, pattern: str = ANSWER_FORMAT) -> bool:
@@ -128,8 +78,8 @@ def _ready(check: Callable[[str, str], bool]) -> None:
 class Verifier:
     """Decides whether a predicted answer equals the gold one.
 
-    Numbers are compared by value (integers exactly, decimals within `rel_tol`), and when both
-    sides are plain numbers that verdict is final. Otherwise, if the strings differ and
+    protocol.answers.verdict decides first: equal strings, or plain numbers compared by value
+    (integers exactly, decimals within `rel_tol`). Where it cannot decide, if
     math-verify is installed (and `use_math_verify`), math-verify gives a second opinion in a
     worker process, started on first use; an answer it cannot judge within `timeout_s` counts as
     wrong and increments `timeouts`. Not thread-safe: use one Verifier per thread.
@@ -142,7 +92,7 @@ class Verifier:
         self,
         timeout_s: float = 2.0,
         use_math_verify: bool = True,
-        rel_tol: float = 1e-6,
+        rel_tol: float = answers.REL_TOL,
         startup_timeout_s: float = 60.0,
         _second_opinion: Callable[[str, str], bool] | None = None,
     ):
@@ -161,19 +111,16 @@ class Verifier:
         return self._second_opinion is not None
 
     def verify(self, predicted: str | None, gold: str) -> bool:
-        if predicted is None:
-            return False
-        predicted, gold = _normalise_answer(predicted), _normalise_answer(gold)
-        if predicted is None or gold is None:
-            return False
-        if predicted == gold:
-            return True
-        verdict = self._numeric_verdict(predicted, gold)
-        if verdict is not None:
-            return verdict
+        decided = answers.verdict(predicted, gold, self.rel_tol)
+        if decided is not None:
+            return decided
         if self._second_opinion is None:
             return False
-        return self._ask_worker(predicted, gold)
+        return self._ask_worker(answers.normalise_answer(predicted), answers.normalise_answer(gold))
+
+    def is_correct(self, completion: str, gold: str) -> bool:
+        """protocol.answers.is_correct, with the second opinion where that module cannot decide."""
+        return self.verify(extract_answer(completion), gold)
 
     def close(self) -> None:
         """Stop the worker process, if one was started. verify() after close() starts a new one."""
@@ -186,15 +133,6 @@ class Verifier:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _numeric_verdict(self, predicted: str, gold: str) -> bool | None:
-        """True or False when both are plain numbers; None when either is not."""
-        a, b = _as_number(predicted), _as_number(gold)
-        if a is None or b is None:
-            return None
-        if isinstance(a, int) and isinstance(b, int):
-            return a == b
-        return abs(a - b) <= Decimal(repr(self.rel_tol)) * max(abs(a), abs(b))
 
     def _ask_worker(self, predicted: str, gold: str) -> bool:
         if self._pool is None:
@@ -232,15 +170,6 @@ class Verifier:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _as_number(text: str) -> int | Decimal | None:
-    """Exact values (no float rounding or overflow, however many digits a model writes)."""
-    if _INTEGER.fullmatch(text):
-        return int(text)
-    if _DECIMAL.fullmatch(text):
-        return Decimal(text)
-    return None
-
-
 # -- shaping and scoring -------------------------------------------------------------------------
 
 
@@ -257,20 +186,6 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
     if length > max_tokens:
         return -1.0
     return min(0.0, (max_tokens - buffer - length) / buffer)
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    correct: float = 1.0  # reward of a correct answer
-    format_weight: float = 0.0  # subtracted when the completion is not exactly an answer
-    overlong_buffer: int = 0  # DAPO's soft overlong buffer, in tokens; 0 turns it off
-    overlong_weight: float = 1.0  # scale of the overlong penalty (which lies in [-1, 0])
-
-    def __post_init__(self):
-        # Negative weights would turn the shaping terms into bonuses.
-        for name in ("format_weight", "overlong_weight", "overlong_buffer"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"RewardConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -297,43 +212,9 @@ def score(
     """
     rewards = []
     for text, finish_reason, n_tokens in samples:
-        correct = verifier.verify(extract_answer(text), gold)
+        correct = verifier.is_correct(text, gold)
         well_formed = format_ok(text, finish_reason, format_pattern)
         overlong = overlong_penalty(n_tokens, max_tokens, cfg.overlong_buffer)
         total = cfg.correct * correct + cfg.format_weight * (well_formed - 1) + cfg.overlong_weight * overlong
         rewards.append(RewardBreakdown(total, correct, well_formed, overlong))
     return rewards
-
-
-# -- launch gate ---------------------------------------------------------------------------------
-
-
-def ceiling_check(problems: Sequence[Problem], verifier: Verifier) -> dict:
-    """How the scoring path judges a perfect policy and a wrong one, over `problems`.
-
-    A perfect policy writes the gold itself (boxed, \\boxed{gold}, when the gold is not a plain
-    number); a wrong one writes gold + 1 for numeric golds (\\boxed{gold+1} otherwise). Each
-    completion goes through extract_answer and verifier.verify, as a sample would. A usable
-    reward has perfect_rate 1.0 and wrong_rate 0.0.
-    Returns {"perfect_rate": float, "wrong_rate": float, "n": int}.
-    """
-    if not problems:
-        raise ValueError("ceiling_check needs at least one problem")
-    perfect = sum(verifier.verify(extract_answer(_perfect_completion(p.gold)), p.gold) for p in problems)
-    wrong = sum(verifier.verify(extract_answer(_wrong_completion(p.gold)), p.gold) for p in problems)
-    n = len(problems)
-    return {"perfect_rate": perfect / n, "wrong_rate": wrong / n, "n": n}
-
-
-def _gold_number(gold: str) -> int | Decimal | None:
-    canonical = _normalise_answer(gold)
-    return None if canonical is None else _as_number(canonical)
-
-
-def _perfect_completion(gold: str) -> str:
-    return gold if _gold_number(gold) is not None else f"\\boxed{{{gold}}}"
-
-
-def _wrong_completion(gold: str) -> str:
-    number = _gold_number(gold)
-    return str(number + 1) if number is not None else f"\\boxed{{{gold}+1}}"

@@ -1,4 +1,5 @@
-"""One step's rollouts (rank 0): prompts -> samples -> rewards -> group advantages.
+"""One step's rollouts: prompts -> samples -> rewards -> group advantages, made on rank 0 and
+sent to every rank (StepSampler).
 
 A group whose G rewards are all equal has zero advantage everywhere and teaches nothing. Such
 dead groups are counted and, up to `loss.dead_group_retries` times per step, replaced by
@@ -8,17 +9,28 @@ the gradient, and the step's size stays what the config says).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from . import grpo
 from .config import Config
 from .data import Problem, PromptStream
-from .rewards import RewardBreakdown, RewardConfig, Verifier, score
+from .rewards import RewardBreakdown, Verifier, score
+from .model import Distributed
 from .rollout import Group
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """The weights a request names: a directory, its content id, and the step that wrote them
+    (None for the starting model)."""
+
+    dir: str
+    content_id: str | None = None
+    step: int | None = None
 
 
 class Sampler(Protocol):
@@ -40,8 +52,30 @@ class StepRollouts:
     dead_initial: int  # dead groups in the first sampling
     dead_final: int  # dead groups left after the retries
     retries: int  # extra requests made
-    rollout_s: float
     stats: dict = field(default_factory=dict)
+
+
+class StepSampler:
+    """Rank 0 samples and scores each step through `sampler`; every rank gets the same rollouts.
+    Other ranks pass `sampler=None` and only receive."""
+
+    def __init__(self, sampler: Sampler | None, stream: PromptStream, verifier: Verifier, cfg: Config,
+                 dist_info: Distributed):
+        self.sampler, self.stream, self.verifier, self.cfg, self.dist = sampler, stream, verifier, cfg, dist_info
+
+    def __call__(self, step: int, weights: WeightsRef) -> StepRollouts:
+        local = None
+        if self.sampler is not None:
+            local = sample_step(self.sampler, self.stream, self.verifier, self.cfg, step=step, weights=weights)
+        if self.dist.world_size == 1:
+            return local
+        box = [local]  # one object: a step's rollouts are small
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
 
 
 def sample_step(
@@ -51,20 +85,17 @@ def sample_step(
     cfg: Config,
     *,
     step: int,
-    weights_dir: str,
-    content_id: str | None,
+    weights: WeightsRef,
 ) -> StepRollouts:
-    started = time.monotonic()
-    reward_cfg = RewardConfig(correct=cfg.reward.correct, format_weight=cfg.reward.format_weight, overlong_buffer=cfg.reward.overlong_buffer)
     problems = stream.take(cfg.rollout.prompts_per_step)
 
     def sample_and_score(batch: list[Problem], attempt: int):
         groups = sampler.sample(
-            [p.prompt for p in batch], weights_dir=weights_dir, content_id=content_id, step=step, attempt=attempt,
+            [p.prompt for p in batch], weights_dir=weights.dir, content_id=weights.content_id, step=step, attempt=attempt,
             seed=cfg.run.seed * 1_000_003 + step * 101 + attempt,
         )
         scored = [
-            score([(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples], p.gold, reward_cfg, verifier, cfg.rollout.max_tokens)
+            score([(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)
             for p, g in zip(batch, groups, strict=True)
         ]
         return groups, scored
@@ -90,7 +121,7 @@ def sample_step(
         order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
         rewards = rewards.flatten()[order].view_as(rewards)
     advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
-    return StepRollouts(problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries, time.monotonic() - started)
+    return StepRollouts(problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries)
 
 
 def _is_dead(breakdowns: list[RewardBreakdown]) -> bool:
@@ -110,5 +141,4 @@ def summarize(r: StepRollouts) -> dict:
         "dead_groups": r.dead_initial,
         "dead_groups_after_retry": r.dead_final,
         "retries": r.retries,
-        "rollout_s": r.rollout_s,
     }

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .data import Problem
+from .data import Problem, load_problems
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,9 @@ def supervised_loss(model, examples: list[tuple[list[int], int]], pad_id: int) -
 
 
 @torch.no_grad()
-def sampled_accuracy(model, tokenizer, problems: list[Problem], max_tokens: int, verify) -> float:
-    """Share of problems answered correctly with one sample each at temperature 1, the way
-    GRPO will sample them."""
-    from .rewards import extract_answer
-
+def sampled_accuracy(model, tokenizer, problems: list[Problem], max_tokens: int, is_correct) -> float:
+    """Share of problems answered correctly (`is_correct(text, gold)`) with one sample each at
+    temperature 1, the way GRPO will sample them."""
     model.eval()
     tokenizer.padding_side = "left"
     batch = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -63,13 +61,12 @@ def sampled_accuracy(model, tokenizer, problems: list[Problem], max_tokens: int,
     )
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     model.train()
-    return sum(verify(extract_answer(t), p.gold) for t, p in zip(texts, problems)) / len(problems)
+    return sum(is_correct(t, p.gold) for t, p in zip(texts, problems)) / len(problems)
 
 
 def run_sft(cfg: Config) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loop import load_problems
     from .rewards import Verifier
 
     sft = cfg.sft
@@ -78,7 +75,7 @@ def run_sft(cfg: Config) -> dict:
         raise FileExistsError(f"{out} exists; the warm-up writes model.path, remove it to train it again")
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
-    train_problems, _ = load_problems(cfg)
+    train_problems, _ = load_problems(cfg.data, cfg.run.seed)
     seen = rng.sample(train_problems, min(sft.problems, len(train_problems)))
     tokenizer = AutoTokenizer.from_pretrained(sft.base)
     model = AutoModelForCausalLM.from_pretrained(sft.base, dtype=torch.float32)
@@ -95,7 +92,7 @@ def run_sft(cfg: Config) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if step % sft.eval_every == 0:
                 probe = rng.sample(train_problems, min(sft.eval_problems, len(train_problems)))
-                accuracy = sampled_accuracy(model, tokenizer, probe, cfg.rollout.max_tokens, verifier.verify)
+                accuracy = sampled_accuracy(model, tokenizer, probe, cfg.rollout.max_tokens, verifier.is_correct)
                 history.append({"step": step, "loss": float(loss.detach()), "sampled_accuracy": accuracy})
                 log.info("sft step %d: loss %.3f, sampled accuracy %.3f", step, float(loss.detach()), accuracy)
                 if accuracy >= sft.stop_at_accuracy:

@@ -13,11 +13,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import grpo
-from .batch import Batch, micro_batches
+from .batch import Batch, collate, micro_batches, rank_share
 from .config import Config
 from .model import Distributed
+from .sampling import StepRollouts
+
+# What a step that generated no tokens reports: there is no loss to take.
+_NOTHING_LEARNED = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0,
+                    "grad_norm": 0.0, "mismatch_mean": 0.0, "mismatch_max": 0.0}
+
+
+@dataclass
+class Policy:
+    """What training updates, and what it is measured against."""
+
+    model: torch.nn.Module
+    reference: torch.nn.Module | None  # the frozen starting model, for the KL term; None without it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pad_id: int
 
 
 @dataclass
@@ -38,6 +55,18 @@ def sequence_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.Te
 def old_logprobs(model, batch: Batch, cfg: Config) -> torch.Tensor:
     parts = [sequence_logprobs(model, mb, cfg.rollout.temperature)[0] for mb in micro_batches(batch, cfg.train.grad_accum)]
     return torch.cat(parts)
+
+
+def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distributed) -> dict:
+    """One optimizer step on the step's rollouts (every rank takes its share); returns the step's
+    statistics, over all ranks, the same on every rank."""
+    batch = collate(rollouts.groups, rollouts.advantages, policy.pad_id)
+    totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
+    if totals.tokens == 0:  # nothing was generated: no loss to take, the tripwire judges the step
+        policy.scheduler.step()
+        return {**_NOTHING_LEARNED, "lr": policy.scheduler.get_last_lr()[0]}
+    share = rank_share(batch, dist_info.rank, dist_info.world_size).to(dist_info.device)
+    return train_step(policy.model, policy.reference, policy.optimizer, policy.scheduler, share, totals, cfg, dist_info)
 
 
 def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: StepTotals, cfg: Config, dist_info: Distributed) -> dict:
@@ -70,8 +99,13 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    tokens = max(float(batch.mask.sum()), 1.0)
     mismatch = (old - batch.rollout_logprobs).abs() * batch.mask
+    sums["tokens"] = float(batch.mask.sum())
+    sums["mismatch"] = float(mismatch.sum())
+    mismatch_max = float(mismatch.max()) if batch.mask.any() else 0.0
+    if dist_info.world_size > 1:  # every rank reports the whole step, so every rank judges it alike
+        sums, mismatch_max = _over_ranks(sums, mismatch_max, dist_info.device)
+    tokens = max(sums["tokens"], 1.0)
     return {
         "loss": sums["loss"],
         # weighted sums over this rank's tokens, reported as weighted means per token
@@ -81,9 +115,18 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
         "clip_fraction_high": sums["clip_high"] / tokens,
         "grad_norm": float(_full(grad_norm)),
         "lr": scheduler.get_last_lr()[0],
-        "mismatch_mean": float(mismatch.sum()) / tokens,
-        "mismatch_max": float(mismatch.max()) if batch.mask.any() else 0.0,
+        "mismatch_mean": sums["mismatch"] / tokens,
+        "mismatch_max": mismatch_max,
     }
+
+
+def _over_ranks(sums: dict[str, float], maximum: float, device: torch.device) -> tuple[dict[str, float], float]:
+    """Sums added and the maximum taken over all ranks."""
+    totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    peak = torch.tensor([maximum], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return dict(zip(sums, totals.tolist())), float(peak.item())
 
 
 def _weighted_mean(weighted_sum: float, total_weight: float) -> float:

@@ -1,0 +1,159 @@
+"""A training run's parts, built once by `setup`: the gates passed, the model and optimizer
+restored, the rollout sampler, canary, tripwire and outputs in place.
+
+Rank differences live here, not in the loop: rank 0 gets the real sampler, canary and outputs;
+other ranks get a sampler that only receives rank 0's rollouts, a canary that never runs and
+outputs that write nothing. `Run.close` is the one cleanup path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from . import gates, outputs
+from .canary import Canary
+from .checkpoint import Checkpoint, RunState
+from .config import Config, dump
+from .data import PromptStream, load_problems
+from .model import Distributed, init_distributed, load_policy, load_reference, load_tokenizer, resolve_dtype
+from .outputs import Outputs
+from .rewards import Verifier
+from .sampling import Sampler, StepSampler, WeightsRef
+from .train_step import Policy, make_optimizer, make_scheduler
+from .tripwire import CollapseTripwire
+
+log = logging.getLogger(__name__)
+
+MakeSampler = Callable[[Config, str], Sampler]  # (config, launch id) -> sampler; tests pass their own
+
+
+class StopRequest:
+    """SIGTERM/SIGINT, or the wall-clock limit, ask for a stop at the next step boundary."""
+
+    def __init__(self, max_wall_seconds: float):
+        self.requested = False
+        self.max_wall_seconds = max_wall_seconds
+        self.started = time.monotonic()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._set)
+
+    def _set(self, *_):
+        self.requested = True
+
+    @property
+    def wall_exceeded(self) -> bool:
+        return self.max_wall_seconds > 0 and time.monotonic() - self.started > self.max_wall_seconds
+
+    def agreed(self, dist_info: Distributed, tripped: bool) -> tuple[bool, bool]:
+        """(stop resumably, stop for the tripwire), the same on every rank."""
+        # On the rank's device: NCCL reduces only CUDA tensors.
+        flags = torch.tensor([float(self.requested or self.wall_exceeded), float(tripped)], device=dist_info.device)
+        if dist_info.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+
+@dataclass
+class Run:
+    cfg: Config
+    stage: str
+    dist: Distributed
+    policy: Policy
+    stream: PromptStream
+    verifier: Verifier
+    tripwire: CollapseTripwire
+    state: RunState
+    latest: Checkpoint | None  # the newest checkpoint: what a relaunch resumes from
+    weights: WeightsRef  # what rollout requests name: the newest weights
+    sample: StepSampler
+    canary: Canary
+    out: Outputs
+    banner: dict
+    stop: StopRequest
+
+    def stage_result(self, exit_code: int) -> dict:
+        return outputs.stage_result(
+            stage=self.stage, banner=self.banner, exit_code=exit_code, rows=outputs.read_metrics(self.cfg.run_dir),
+            checkpoint=self.latest.path if self.latest else None, canary_history=self.canary.history,
+            tripwire=self.tripwire.as_log_dict(),
+        )
+
+    def close(self) -> None:
+        self.verifier.close()
+        self.sample.close()
+        self.out.close()
+        if self.dist.world_size > 1:
+            dist.destroy_process_group()
+
+
+def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> Run:
+    """Everything the loop needs, on this rank. Launch gates refuse with GateRefused."""
+    dist_info = init_distributed()
+    setup_process(cfg, dist_info)
+    train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    verifier = Verifier()
+    gate_figures = gates.run_all(cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier)
+    if dist_info.is_main:  # only a config that passed the gates becomes the run's
+        (cfg.run_dir / "config.resolved.toml").write_bytes(dump(cfg))
+
+    policy = load_trainable(cfg, dist_info, tokenizer)
+    stream = PromptStream(train_problems, seed=cfg.run.seed)
+    tripwire = CollapseTripwire(cfg.tripwire, cfg.rollout.max_tokens)
+    state, latest = ckpt.restore(cfg.run_dir, policy.model, policy.optimizer, policy.scheduler, stream, tripwire, dist_info)
+    gates.check_horizon(policy.scheduler.total_steps, cfg, state.horizon)
+    banner = outputs.banner(cfg, stage, latest.path if latest else None, len(train_problems), gate_figures)
+    log.info("BANNER %s", json.dumps(banner, indent=1))
+
+    needs_rollouts = dist_info.is_main and state.step < cfg.train.steps and not tripwire.fired
+    sampler = make_rollout_sampler(cfg, make_sampler, dist_info) if needs_rollouts else None
+    weights = WeightsRef(str(latest.path), latest.content_id, latest.step) if latest else WeightsRef(cfg.model.path)
+    return Run(
+        cfg=cfg, stage=stage, dist=dist_info, policy=policy, stream=stream, verifier=verifier, tripwire=tripwire,
+        state=state, latest=latest, weights=weights,
+        sample=StepSampler(sampler, stream, verifier, cfg, dist_info),
+        canary=Canary(cfg, held_out, verifier, sampler, state.step),
+        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step) if dist_info.is_main else Outputs.silent(),
+        banner=banner, stop=StopRequest(cfg.run.max_wall_seconds),
+    )
+
+
+def setup_process(cfg: Config, dist_info: Distributed) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per checkpoint save would bury the run's own
+    if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
+        torch.set_num_threads(cfg.run.cpu_threads)
+    torch.manual_seed(cfg.run.seed + dist_info.rank)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    if dist_info.is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def load_trainable(cfg: Config, dist_info: Distributed, tokenizer) -> Policy:
+    dtype = resolve_dtype(cfg.model.dtype, dist_info.device)
+    model = load_policy(cfg.model.path, dtype, dist_info, activation_checkpointing=cfg.model.activation_checkpointing)
+    reference = load_reference(cfg.model.path, dtype, dist_info.device) if cfg.loss.kl_coef > 0 else None
+    optimizer = make_optimizer(model, cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Policy(model, reference, optimizer, make_scheduler(optimizer, cfg), pad_id)
+
+
+def make_rollout_sampler(cfg: Config, make_sampler: MakeSampler | None, dist_info: Distributed) -> Sampler:
+    launch_id = secrets.token_hex(3)
+    if make_sampler is not None:
+        return make_sampler(cfg, launch_id)
+    from .rollout import RolloutService
+
+    return RolloutService(cfg, launch_id=launch_id, world_size=dist_info.world_size)
