@@ -59,6 +59,8 @@ BAD = {
         "`$.data`",
         "arithmetic_high must be >= data.arithmetic_low",
     ),
+    "unknown arithmetic op": (MINIMAL + '[data]\narithmetic_ops = "+/"\n', "`$.data`", "data.arithmetic_ops must be"),
+    "negative reward shaping": (MINIMAL + "[reward]\noverlong_weight = -1.0\n", "`$.reward.overlong_weight`", ">= 0"),
     "missing [run]": ('[model]\npath = "model"\n', "`run`", "missing required field"),
     "missing run.dir": ('[run]\nseed = 1\n[model]\npath = "model"\n', "`dir`", "missing required field"),
     "not TOML": ("[run\ndir = ", "", "not valid TOML"),

@@ -287,3 +287,22 @@ def test_loading_an_out_of_range_state_is_refused(change):
     state = dict(PromptStream(problems(3), seed=0).state_dict(), **change)
     with pytest.raises(ValueError, match="out of range"):
         PromptStream(problems(3), seed=0).load_state_dict(state)
+
+
+def test_load_problems_builds_gsm8k_prompts_with_the_configured_template(tmp_path):
+    from trainer_svc.config import DataConfig
+    from trainer_svc.data import load_problems
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"... #### {i + 1}"} for i in range(6)]
+    path = write_lines(tmp_path / "rows.jsonl", [json.dumps(r) for r in rows])
+    train, held = load_problems(DataConfig(task="file", path=path, template="Q: {question}\nA:", held_out=2), seed=0)
+    assert len(train) == 4 and len(held) == 2
+    assert all(p.prompt.startswith("Q: What is ") and p.prompt.endswith("\nA:") for p in train + held)
+
+
+def test_load_problems_names_the_key_when_nothing_is_left_to_train_on():
+    from trainer_svc.config import DataConfig
+    from trainer_svc.data import DataError, load_problems
+
+    with pytest.raises(DataError, match=r"data.held_out = 9 leaves no training problem of the 9"):
+        load_problems(DataConfig(arithmetic_low=0, arithmetic_high=2, held_out=9), seed=0)

@@ -57,7 +57,7 @@ def test_config_refuses_a_batch_that_does_not_split_into_ranks_and_micro_batches
     gates.check_config(cfg, world_size=1)
     gates.check_config(cfg, world_size=2)  # 4 divides 16
     message = refused("config", gates.check_config, cfg, world_size=3)  # 6 does not
-    assert "= 16 sequences" in message and "3 ranks x 2 micro-batches" in message
+    assert "= 16 sequences" in message and "3 ranks (torchrun --nproc_per_node) x train.grad_accum = 2" in message
     assert "so that 6 divides 16" in message
     odd = replace(cfg, rollout={"prompts_per_step": 3, "samples_per_prompt": 3}, train={"grad_accum": 1})
     gates.check_config(odd, world_size=3)  # 9 over 3 ranks x 1
@@ -345,7 +345,7 @@ def test_horizon_refuses_a_schedule_of_another_length(cfg):
     assert cfg.train.steps == 6
     gates.check_horizon(6, cfg, None)
     message = refused("horizon", gates.check_horizon, 5, cfg, None)
-    assert "spans 5 steps, the run 6" in message
+    assert "spans 5 steps, the run train.steps = 6" in message
 
 
 def test_horizon_refuses_a_resume_with_other_steps(cfg):

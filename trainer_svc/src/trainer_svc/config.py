@@ -56,6 +56,9 @@ class DataConfig(Struct):
             raise ValueError("data.path must name a JSONL file when data.task = 'file'")
         if self.arithmetic_high < self.arithmetic_low:
             raise ValueError("data.arithmetic_high must be >= data.arithmetic_low")
+        if not self.arithmetic_ops or len(set(self.arithmetic_ops)) != len(self.arithmetic_ops) \
+                or not set(self.arithmetic_ops) <= set("+-*"):
+            raise ValueError(f"data.arithmetic_ops must be distinct characters of '+-*', got {self.arithmetic_ops!r}")
 
 
 class RolloutConfig(Struct):

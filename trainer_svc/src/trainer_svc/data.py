@@ -87,19 +87,18 @@ def read_gsm8k(path: str | Path, template: str = "{question}") -> list[Problem]:
     return problems
 
 
-def read_prompt_file(path: str | Path) -> list[Problem]:
-    """Read a JSONL file of {"prompt", "gold"} rows (GSM8K rows are accepted too, prompt = question).
-
-    Same rules and errors as read_gsm8k.
+def read_prompt_file(path: str | Path, template: str = "{question}") -> list[Problem]:
+    """Read a JSONL file of {"prompt", "gold"} rows (GSM8K rows are accepted too, their prompt
+    built by `template` from the question). Same rules and errors as read_gsm8k.
     """
-    return read_gsm8k(path)
+    return read_gsm8k(path, template)
 
 
 def _check_template(template: str) -> None:
     try:
         template.format(question="")
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"template {template!r} must use only the field {{question}}: {exc!r}") from None
+        raise DataError(f"data.template {template!r} must use only the field {{question}}: {exc!r}") from None
 
 
 def _prompt_and_gold(row: dict, template: str, where: str) -> tuple[str, str]:
@@ -170,7 +169,10 @@ def load_problems(data: DataConfig, seed: int) -> tuple[list[Problem], list[Prob
     if data.task == "arithmetic":
         problems = arithmetic_problems(data.arithmetic_low, data.arithmetic_high, data.arithmetic_ops)
     else:
-        problems = read_prompt_file(data.path)
+        problems = read_prompt_file(data.path, data.template)
+    if not data.held_out < len(problems):
+        raise DataError(f"data.held_out = {data.held_out} leaves no training problem of the {len(problems)} there are; "
+                        "hold out fewer")
     train_problems, held_out = split(problems, data.held_out, seed)
     if data.band_file:
         if not Path(data.band_file).is_file():

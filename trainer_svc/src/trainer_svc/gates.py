@@ -64,9 +64,9 @@ def check_config(cfg: Config, world_size: int) -> None:
     if sequences % (world_size * t.grad_accum):
         raise GateRefused(
             "config",
-            f"prompts_per_step x samples_per_prompt = {sequences} sequences do not split evenly into "
-            f"{world_size} ranks x {t.grad_accum} micro-batches; change one of them so that "
-            f"{world_size * t.grad_accum} divides {sequences}",
+            f"rollout.prompts_per_step x rollout.samples_per_prompt = {sequences} sequences do not split evenly "
+            f"into {world_size} ranks (torchrun --nproc_per_node) x train.grad_accum = {t.grad_accum}; change one of "
+            f"them so that {world_size * t.grad_accum} divides {sequences}",
         )
     lag = cfg.checkpoint.every - 1
     if lag > r.max_policy_lag:
@@ -74,7 +74,7 @@ def check_config(cfg: Config, world_size: int) -> None:
             "config",
             f"checkpoint.every = {cfg.checkpoint.every}: each save is the weight sync, so rollouts would come from "
             f"weights up to {lag} steps old, more than rollout.max_policy_lag = {r.max_policy_lag}; "
-            "save every step, or allow the lag explicitly",
+            "set checkpoint.every = 1, or raise rollout.max_policy_lag to allow the lag explicitly",
         )
     if not t.max_grad_norm > 0:
         raise GateRefused("config", "train.max_grad_norm must be set: unclipped GRPO updates blow up on outlier batches")
@@ -84,7 +84,7 @@ def check_config(cfg: Config, world_size: int) -> None:
                 "config",
                 f"the canary is armed (canary.every = {cfg.canary.every}) with canary.problems = {cfg.canary.problems}, "
                 f"but data.held_out = {cfg.data.held_out} problems are kept out of training; "
-                "hold out at least as many as the canary uses",
+                "raise data.held_out to at least canary.problems, or lower canary.problems",
             )
 
 
@@ -199,4 +199,8 @@ def check_horizon(scheduler_horizon: int, cfg: Config, resumed_horizon: int | No
             "bend its learning-rate schedule mid-run. Resume with the original value, or start a new run.dir",
         )
     if scheduler_horizon != cfg.train.steps:
-        raise GateRefused("horizon", f"the learning-rate schedule spans {scheduler_horizon} steps, the run {cfg.train.steps}")
+        raise GateRefused(
+            "horizon",
+            f"the learning-rate schedule spans {scheduler_horizon} steps, the run train.steps = {cfg.train.steps}; "
+            "the schedule must end where the run does (train.steps, train.warmup_steps, train.schedule)",
+        )

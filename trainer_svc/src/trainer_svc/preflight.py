@@ -25,11 +25,14 @@ def check_model_dir(path: Path) -> None:
     try:
         json.loads((path / "config.json").read_text())
     except FileNotFoundError:
-        raise PreflightError(f"{path} has no config.json: not an HF model directory") from None
+        raise PreflightError(f"{path} has no config.json: not an HF model directory (model.path)") from None
     except ValueError as exc:
-        raise PreflightError(f"{path}/config.json is not valid JSON ({exc})") from None
+        raise PreflightError(f"{path}/config.json is not valid JSON ({exc}); fix it or change model.path") from None
     if not any(path.glob("*.safetensors")):
-        raise PreflightError(f"{path} has no .safetensors weights (pickle checkpoints are not loaded); save with safe_serialization=True")
+        raise PreflightError(
+            f"{path} (model.path) has no .safetensors weights (pickle checkpoints are not loaded); "
+            "save it with safe_serialization=True"
+        )
 
 
 def check_run_dir(run_dir: Path) -> None:
