@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import types
@@ -25,7 +26,10 @@ settings.register_profile(
 )
 settings.load_profile("unit")
 
-CORPUS = Path(__file__).resolve().parent.parent / "corpus"
+TESTS = Path(__file__).resolve().parent.parent
+CORPUS = TESTS / "corpus"
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))  # helpers shared with the other tiers (torn_reads)
 
 
 def _make_request(request_id: str = "req-1", **fields) -> Request:

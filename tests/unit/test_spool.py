@@ -25,6 +25,7 @@ from protocol.messages import (
     decode_request,
     decode_result,
     decode_status,
+    encode_pretty,
     is_valid_worker_id,
 )
 from protocol.spool import (
@@ -36,9 +37,11 @@ from protocol.spool import (
     SpoolError,
     claimed_name,
     id_from_name,
+    name_for_id,
     split_claimed_name,
 )
 from protocol.watch import Waker, filesystem_type
+from torn_reads import TornReadReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,6 +109,23 @@ def test_create_makes_every_state_directory(tmp_path):
         assert getattr(spool, state) == spool.root / state and getattr(spool, state).is_dir()
 
 
+def test_path_methods_spell_the_documented_layout(spool):
+    root = spool.root
+    assert spool.request_path("r1") == root / "requests" / "r1.json"
+    assert spool.claim_path("r1.json", "w1") == root / "claimed" / "r1@w1.json"
+    assert spool.claim_path("no-extension", "w1") == root / "claimed" / "no-extension@w1"
+    assert spool.result_path("r1") == root / "results" / "r1.json"
+    assert spool.archived_request_path("r1") == root / "done" / "r1.request.json"
+    assert spool.consumed_result_path("r1") == root / "done" / "r1.result.json"
+    assert spool.bad_path("has space.json") == root / "bad" / "has space.json"
+    assert spool.bad_note_path("has space.json") == root / "bad" / "has space.json.error.txt"
+    assert spool.bad_note_path("n" * 300) == root / "bad" / f"{'n' * 200}.error.txt"
+    assert spool.status_path("w1") == root / "workers" / "w1.json"
+    scratch = spool.scratch_path("r1")
+    assert scratch.parent == root / "tmp" and scratch.name.startswith("r1.") and scratch.name.endswith(".tmp")
+    assert name_for_id("r1") == "r1.json" and id_from_name(name_for_id("r1")) == "r1"
+
+
 def test_create_is_idempotent_and_keeps_content(spool, make_request):
     spool.submit(make_request("kept"))
     again = Spool(spool.root, create=True)
@@ -145,7 +165,10 @@ def test_submit_is_durable_and_complete(spool, make_request, fsync_spy):
 
 @pytest.mark.parametrize(
     "where",
-    ["requests/{}.json", "claimed/{}@w9.json", "results/{}.json", "done/{}.request.json", "done/{}.result.json", "bad/{}.json"],
+    [
+        "requests/{}.json", "claimed/{}@w9.json", "results/{}.json", "done/{}.request.json", "done/{}.result.json",
+        "bad/{}.json",
+    ],  # fmt: skip
 )
 def test_submit_refuses_an_id_in_use_in_any_state(spool, make_request, where):
     existing = spool.root / where.format("r1")
@@ -184,7 +207,8 @@ def test_submit_many_with_a_duplicate_id_publishes_nothing(spool, make_request):
 
 
 @pytest.mark.parametrize(
-    ("request_id", "fields"), [("../escape", {}), ("zero-tokens", {"max_tokens": 0}), ("neg-temperature", {"temperature": -1.0})]
+    ("request_id", "fields"),
+    [("../escape", {}), ("zero-tokens", {"max_tokens": 0}), ("neg-temperature", {"temperature": -1.0})],
 )
 def test_submit_refuses_an_invalid_request(spool, make_request, request_id, fields):
     with pytest.raises((ValueError, SpoolError)):
@@ -235,7 +259,9 @@ def test_claim_works_for_the_longest_valid_ids(spool, make_request):
     assert claim.request_id == request_id
 
 
-names = st.builds(lambda a, b: a + b, st.sampled_from(string.ascii_letters), st.text(string.ascii_letters + "._- ", max_size=20))
+names = st.builds(
+    lambda a, b: a + b, st.sampled_from(string.ascii_letters), st.text(string.ascii_letters + "._- ", max_size=20)
+)
 
 
 @given(names, st.booleans(), names.filter(lambda n: " " not in n))
@@ -347,7 +373,8 @@ def test_reject_answers_a_valid_id_and_keeps_the_file_in_bad(spool):
     error = MessageError(ErrorCode.BAD_JSON, "not JSON")
     assert spool.reject(claim, error, worker_id="w1") is True
     result = spool.read_result("r1")
-    assert (result.ok, result.error.code, result.error.message, result.worker_id) == (False, ErrorCode.BAD_JSON, "not JSON", "w1")
+    assert (result.ok, result.error.code, result.error.message) == (False, ErrorCode.BAD_JSON, "not JSON")
+    assert result.worker_id == "w1"
     assert result.finished_at > 0
     assert (spool.bad / "r1.json").read_bytes() == b"{broken"
     assert os.listdir(spool.claimed) == []
@@ -529,31 +556,13 @@ def test_entries_by_state(spool, make_request):
 # -- guarantee 1: no reader sees a partial file ---------------------------------------------------------
 
 
-def _race_reader(directory: Path, decode, stop: threading.Event, reads: list, errors: list):
-    while not stop.is_set():
-        for name in os.listdir(directory):
-            try:
-                data = (directory / name).read_bytes()
-            except FileNotFoundError:
-                continue
-            try:
-                decode(data)
-            except MessageError as exc:
-                errors.append((name, len(data), exc.message))
-            reads.append(name)
-
-
 @pytest.mark.parametrize("state", ["requests", "results", "workers"])
 def test_no_reader_ever_sees_a_partial_file(spool, make_request, state):
     big = "x" * 100_000  # far more than one page
-    decode = {"requests": decode_request, "results": decode_result, "workers": decode_status}[state]
-    stop, reads, errors = threading.Event(), [], []
-    reader = threading.Thread(target=_race_reader, args=(getattr(spool, state), decode, stop, reads, errors))
-    reader.start()
     written = 0
-    try:
+    with TornReadReader(spool, [state]) as reader:
         # At least 60 files, and on until the reader has read a good number while writes go on.
-        while written < 60 or (len(reads) < 50 and written < 300):
+        while written < 60 or (reader.reads < 50 and written < 300):
             if state == "requests":
                 spool.submit(make_request(f"r{written}", prompts=[big]))
             elif state == "results":
@@ -561,12 +570,23 @@ def test_no_reader_ever_sees_a_partial_file(spool, make_request, state):
             else:
                 spool.write_status(status("w1", last_error=big + str(written)))  # replaced each time
             written += 1
-    finally:
-        stop.set()
-        reader.join(10)
-    assert errors == []
-    assert len(reads) >= 10, f"the reader read only {len(reads)} files while {written} were written"
+    assert reader.errors == []
+    assert reader.reads >= 10, f"the reader read only {reader.reads} files while {written} were written"
     assert os.listdir(spool.tmp) == []
+
+
+def test_the_torn_read_reader_catches_a_file_written_in_place(spool, make_request, wait_for):
+    """The check above can fail: a request written straight into requests/ is seen half-written."""
+    data = encode_pretty(make_request("torn", prompts=["x" * 10_000]))
+    half = len(data) // 2
+    path = spool.requests / "torn.json"
+    with TornReadReader(spool, ["requests"]) as reader, open(path, "wb") as f:
+        f.write(data[:half])
+        f.flush()
+        wait_for(lambda: any(f"({half} bytes)" in e for e in reader.errors), what="the half-written file to be seen")
+        f.write(data[half:])
+    assert all(e.startswith("requests/torn.json (") for e in reader.errors), reader.errors
+    assert decode_request(path.read_bytes()).request_id == "torn"
 
 
 # -- fsio ------------------------------------------------------------------------------------------------

@@ -8,8 +8,14 @@ Layout (all on one filesystem):
     results/   <request_id>.json, exactly one per request, success or error
     done/      <request_id>.request.json (served requests) and <request_id>.result.json
                (results a producer has consumed); pruned by age
-    bad/       request files that could not be accepted, kept for inspection
+    bad/       request files that could not be accepted, kept for inspection (<name>, or
+               <name>.<n> when that is taken), and <name>.error.txt: why, for names with no id
     workers/   <worker_id>.json, one status file per worker; its mtime is the heartbeat
+
+Each kind of file name is spelled out once, in the path methods of Spool (`request_path`,
+`claim_path`, `result_path`, `archived_request_path`, `consumed_result_path`, `bad_path`,
+`bad_note_path`, `status_path`, `scratch_path`); the rest of this module, and code outside it,
+goes through them.
 
 Guarantees (each has a test in tests/unit/test_spool.py):
 
@@ -55,8 +61,10 @@ STATES = ("tmp", "requests", "claimed", "results", "done", "bad", "workers")
 MAX_REQUEST_BYTES = 64 * 2**20  # a request larger than this is refused with `too_large`
 DEFAULT_LEASE_S = 30.0
 _NAME_MAX = 255  # bytes in one file name on Linux filesystems
+_JSON = ".json"
 _RESULT_SUFFIX = ".result.json"
 _REQUEST_SUFFIX = ".request.json"
+_NOTE_SUFFIX = ".error.txt"
 
 
 class SpoolError(RuntimeError):
@@ -101,22 +109,29 @@ class Claim:
         return id_from_name(self.name)
 
 
+def name_for_id(request_id: str) -> str:
+    """`<request_id>.json`: the name of a request in requests/ and of its result in results/."""
+    return f"{request_id}{_JSON}"
+
+
 def id_from_name(name: str) -> str | None:
-    if not name.endswith(".json"):
+    """Inverse of name_for_id: the id, or None when `name` is not `<valid id>.json`."""
+    if not name.endswith(_JSON):
         return None
-    stem = name[: -len(".json")]
+    stem = name[: -len(_JSON)]
     return stem if is_valid_id(stem) else None
 
 
 def claimed_name(name: str, worker_id: str) -> str:
-    if name.endswith(".json"):
-        return f"{name[: -len('.json')]}@{worker_id}.json"
+    """The name in claimed/ of the entry `name` of requests/ claimed by `worker_id`."""
+    if name.endswith(_JSON):
+        return f"{name[: -len(_JSON)]}@{worker_id}{_JSON}"
     return f"{name}@{worker_id}"
 
 
 def split_claimed_name(claimed: str) -> tuple[str, str]:
     """Inverse of claimed_name: (original name, worker id). Worker ids contain no '@'."""
-    suffix = ".json" if claimed.endswith(".json") else ""
+    suffix = _JSON if claimed.endswith(_JSON) else ""
     base = claimed[: len(claimed) - len(suffix)]
     original, _, worker_id = base.rpartition("@")
     return original + suffix, worker_id
@@ -168,6 +183,53 @@ class Spool:
                 "renames between them are not atomic. Keep all of them on one filesystem."
             )
 
+    # -- paths: each kind of spool file is named here and nowhere else ---------------------------
+
+    def request_path(self, request_id: str) -> Path:
+        """requests/<request_id>.json: a request ready for any worker."""
+        return self.requests / name_for_id(request_id)
+
+    def claim_path(self, name: str, worker_id: str) -> Path:
+        """claimed/<request_id>@<worker_id>.json: the entry `name` of requests/ once `worker_id`
+        claimed it (an entry not named `<...>.json` becomes `<name>@<worker_id>`)."""
+        return self.claimed / claimed_name(name, worker_id)
+
+    def result_path(self, request_id: str) -> Path:
+        """results/<request_id>.json: the one result of a request, until a producer consumes it."""
+        return self.results / name_for_id(request_id)
+
+    def archived_request_path(self, request_id: str) -> Path:
+        """done/<request_id>.request.json: a served request, kept for audit and replay."""
+        return self.done / f"{request_id}{_REQUEST_SUFFIX}"
+
+    def consumed_result_path(self, request_id: str) -> Path:
+        """done/<request_id>.result.json: a result once its producer consumed it."""
+        return self.done / f"{request_id}{_RESULT_SUFFIX}"
+
+    def bad_path(self, name: str) -> Path:
+        """bad/<name>: an entry of requests/ that could not be accepted, under its own name."""
+        return self.bad / name
+
+    def bad_note_path(self, name: str) -> Path:
+        """bad/<name>.error.txt: why the entry `name` (which has no valid id, hence no result)
+        was refused; long names are cut."""
+        return self.bad / f"{name[:200]}{_NOTE_SUFFIX}"
+
+    def status_path(self, worker_id: str) -> Path:
+        """workers/<worker_id>.json: a worker's status; its mtime is the heartbeat."""
+        return self.workers / f"{worker_id}{_JSON}"
+
+    def scratch_path(self, stem: str) -> Path:
+        """tmp/<stem>.<pid>.<random>.tmp: a scratch file no other writer will pick."""
+        return self.tmp / fsio.scratch_name(stem)
+
+    def _free_bad_path(self, name: str) -> Path:
+        """bad/<name>, or bad/<name>.<n> with the first n not taken: earlier rejects are kept."""
+        target, n = self.bad_path(name), 1
+        while os.path.lexists(target):
+            target, n = self.bad_path(f"{name}.{n}"), n + 1
+        return target
+
     # -- producers -----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Path:
@@ -195,12 +257,12 @@ class Spool:
         scratch_paths = []
         try:
             for request in requests:
-                scratch = self.tmp / fsio.scratch_name(request.request_id)
+                scratch = self.scratch_path(request.request_id)
                 fsio.write_synced(scratch, encode_pretty(request))
                 scratch_paths.append(scratch)
             finals = []
             for request, scratch in zip(requests, scratch_paths):
-                final = self.requests / f"{request.request_id}.json"
+                final = self.request_path(request.request_id)
                 if not fsio.link_no_replace(scratch, final):
                     raise RequestExists(f"request id {request.request_id!r} was submitted concurrently")
                 finals.append(final)
@@ -213,7 +275,7 @@ class Spool:
 
     def read_result(self, request_id: str) -> Result | None:
         """The result for `request_id`, from results/ or, once consumed, from done/."""
-        for path in (self.results / f"{request_id}.json", self.done / f"{request_id}{_RESULT_SUFFIX}"):
+        for path in (self.result_path(request_id), self.consumed_result_path(request_id)):
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
@@ -224,28 +286,29 @@ class Spool:
     def consume_result(self, request_id: str) -> None:
         """Move a read result out of results/ into done/, where pruning will find it."""
         try:
-            os.rename(self.results / f"{request_id}.json", self.done / f"{request_id}{_RESULT_SUFFIX}")
+            os.rename(self.result_path(request_id), self.consumed_result_path(request_id))
         except FileNotFoundError:
             pass
 
     def has_result(self, request_id: str) -> bool:
-        return os.path.lexists(self.results / f"{request_id}.json") or os.path.lexists(
-            self.done / f"{request_id}{_RESULT_SUFFIX}"
+        return os.path.lexists(self.result_path(request_id)) or os.path.lexists(
+            self.consumed_result_path(request_id)
         )
 
     def locate(self, request_id: str, claimed_names: set[str] | None = None) -> list[Path]:
         """Every file of this request id, in any state. `claimed_names` (original names of the
         entries in claimed/) saves a listing when many ids are located at once."""
+        name = name_for_id(request_id)
         candidates = [
-            self.requests / f"{request_id}.json",
-            self.results / f"{request_id}.json",
-            self.done / f"{request_id}{_REQUEST_SUFFIX}",
-            self.done / f"{request_id}{_RESULT_SUFFIX}",
-            self.bad / f"{request_id}.json",
+            self.request_path(request_id),
+            self.result_path(request_id),
+            self.archived_request_path(request_id),
+            self.consumed_result_path(request_id),
+            self.bad_path(name),
         ]
         found = [p for p in candidates if os.path.lexists(p)]
-        if claimed_names is None or f"{request_id}.json" in claimed_names:
-            found += [e.path for e in _scan(self.claimed) if split_claimed_name(e.name)[0] == f"{request_id}.json"]
+        if claimed_names is None or name in claimed_names:
+            found += [e.path for e in _scan(self.claimed) if split_claimed_name(e.name)[0] == name]
         return found
 
     # -- workers -------------------------------------------------------------------------------
@@ -259,7 +322,7 @@ class Spool:
     def claim(self, entry: Entry, worker_id: str) -> Claim | None:
         """Move `entry` into claimed/ for `worker_id`. None when another worker got it first,
         or when the name is too long to claim (such an entry goes straight to bad/)."""
-        target = self.claimed / claimed_name(entry.name, worker_id)
+        target = self.claim_path(entry.name, worker_id)
         if len(os.fsencode(target.name)) > _NAME_MAX:
             self._reject_unclaimable(entry)
             return None
@@ -273,10 +336,14 @@ class Spool:
         # Only names that are not `<valid id>.json` get here (valid ids are short enough),
         # so there is no result to write: a note in bad/ says why.
         try:
-            os.rename(entry.path, self._free_name(self.bad, entry.name))
+            os.rename(entry.path, self._free_bad_path(entry.name))
         except FileNotFoundError:
             return
-        self._note_in_bad(entry.name, ErrorCode.INVALID_REQUEST, f"file name {entry.name!r} is too long; name request files <request_id>.json")
+        self._note_in_bad(
+            entry.name,
+            ErrorCode.INVALID_REQUEST,
+            f"file name {entry.name!r} is too long; name request files <request_id>.json",
+        )
 
     def load(self, claim: Claim, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
         """Read and validate a claimed request. Raises MessageError, never anything else."""
@@ -292,7 +359,12 @@ class Spool:
         except FileNotFoundError:
             raise ClaimLost(f"{claim.name} was taken back before it could be read") from None
         if not stat.S_ISREG(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            if stat.S_ISLNK(st.st_mode):
+                kind = "a symlink"
+            elif stat.S_ISDIR(st.st_mode):
+                kind = "a directory"
+            else:
+                kind = "not a regular file"
             raise MessageError(
                 ErrorCode.NOT_A_FILE,
                 f"requests/{claim.name} is {kind}; submit a regular file (write it in tmp/, then mv)",
@@ -335,10 +407,10 @@ class Spool:
         returns, per result, whether this call published it."""
         published = []
         for result in results:
-            scratch = self.tmp / fsio.scratch_name(result.request_id)
+            scratch = self.scratch_path(result.request_id)
             # Compact: results carry [prompt][sample][token] lists; `spoolctl show` pretty-prints.
             fsio.write_synced(scratch, encode(result))
-            final = self.results / f"{result.request_id}.json"
+            final = self.result_path(result.request_id)
             linked = fsio.link_no_replace(scratch, final)
             published.append(linked and not self._superseded_by_consumed(final, result.request_id))
         if any(published):
@@ -350,7 +422,7 @@ class Spool:
         duplicate execution must not publish a second result. If the consumed file is the one
         we just linked (consumed in between), ours stands."""
         try:
-            consumed = os.stat(self.done / f"{request_id}{_RESULT_SUFFIX}")
+            consumed = os.stat(self.consumed_result_path(request_id))
         except FileNotFoundError:
             return False
         try:
@@ -364,8 +436,7 @@ class Spool:
 
     def finish(self, claim: Claim) -> None:
         """Archive a served claim in done/. Its result must already be published."""
-        request_id = claim.request_id
-        self._move_claim(claim, self.done / f"{request_id}{_REQUEST_SUFFIX}")
+        self._move_claim(claim, self.archived_request_path(claim.request_id))
 
     def reject(self, claim: Claim, error: MessageError, worker_id: str = "") -> bool:
         """Give a bad request its error result (when it has a valid id) and keep it in bad/.
@@ -379,13 +450,12 @@ class Spool:
             published = self.publish_results([result])[0]
         else:
             self._note_in_bad(claim.name, error.code, error.message)
-        self._move_claim(claim, self._free_name(self.bad, claim.name))
+        self._move_claim(claim, self._free_bad_path(claim.name))
         return published
 
     def _note_in_bad(self, name: str, code: ErrorCode, message: str) -> None:
         """bad/<name>.error.txt: why an entry without a valid id was refused."""
-        note = self.bad / f"{name[:200]}.error.txt"
-        fsio.publish(self.tmp, note, f"{code.value}: {message}\n".encode(), replace=True)
+        fsio.publish(self.tmp, self.bad_note_path(name), f"{code.value}: {message}\n".encode(), replace=True)
 
     def release(self, claim: Claim) -> None:
         """Give a claim back to requests/ unserved (shutdown, or the worker cannot serve it)."""
@@ -397,22 +467,15 @@ class Spool:
         except FileNotFoundError:  # recovered meanwhile; whoever holds it now will finish it
             pass
 
-    @staticmethod
-    def _free_name(directory: Path, name: str) -> Path:
-        target, n = directory / name, 1
-        while os.path.lexists(target):
-            target, n = directory / f"{name}.{n}", n + 1
-        return target
-
     # -- worker status and leases --------------------------------------------------------------
 
     def write_status(self, status: WorkerStatus) -> None:
         # Not fsynced: it is rewritten every few seconds and only its freshness matters.
-        fsio.publish(self.tmp, self.workers / f"{status.worker_id}.json", encode_pretty(status), replace=True, durable=False)
+        fsio.publish(self.tmp, self.status_path(status.worker_id), encode_pretty(status), replace=True, durable=False)
 
     def remove_status(self, worker_id: str) -> None:
         try:
-            os.unlink(self.workers / f"{worker_id}.json")
+            os.unlink(self.status_path(worker_id))
         except FileNotFoundError:
             pass
 
@@ -420,7 +483,7 @@ class Spool:
         """Every status file with its decoded content (None when unreadable)."""
         out = []
         for entry in _scan(self.workers):
-            if not entry.name.endswith(".json"):
+            if not entry.name.endswith(_JSON):
                 continue
             try:
                 out.append((entry, decode_status(entry.path.read_bytes())))
@@ -461,7 +524,12 @@ class Spool:
         return sorted(_scan(self.root / state), key=lambda e: (e.mtime, e.name))
 
     def prune(
-        self, *, done_older_than_s: float, tmp_older_than_s: float = 3600.0, dead_workers_older_than_s: float = 86400.0, now: float | None = None
+        self,
+        *,
+        done_older_than_s: float,
+        tmp_older_than_s: float = 3600.0,
+        dead_workers_older_than_s: float = 86400.0,
+        now: float | None = None,
     ) -> dict[str, int]:
         """Delete done/ entries archived more than `done_older_than_s` ago, tmp/ leftovers
         older than `tmp_older_than_s` (a writer needs well under a second for a scratch file),
