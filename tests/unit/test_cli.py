@@ -1,17 +1,25 @@
-"""spoolctl, driven as an operator would, against a real spool and a real echo worker."""
+"""spoolctl, driven as an operator would, against a real spool and a real echo worker; and
+`rollout-svc`'s option defaults, refusals and exit codes."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
+import types
 
 import pytest
 from typer.testing import CliRunner
 
+import rollout_svc.cli as rollout_cli
+import rollout_svc.worker as worker_module
+from protocol import exit_codes
 from protocol.cli import app, format_age, parse_duration
 from protocol.messages import Request, WorkerStatus
 from protocol.spool import Spool
+from rollout_svc.engines.vllm import VllmEngine
+from rollout_svc.worker import WorkerConfig
 
 runner = CliRunner()
 
@@ -152,3 +160,76 @@ def test_parse_duration_refuses_nonsense():
 
 def test_format_age():
     assert format_age(5) == "5.0s" and format_age(120) == "2.0m" and format_age(7200) == "2.0h" and format_age(2 * 86400) == "2.0d"
+
+
+# -- rollout-svc ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """`rollout-svc serve` with a Worker that records its config and exits with `served.rc`."""
+    record = types.SimpleNamespace(configs=[], rc=exit_codes.OK)
+
+    class FakeWorker:
+        def __init__(self, spool, engine, config, **_options):
+            record.configs.append(config)
+
+        def serve(self) -> int:
+            return record.rc
+
+    monkeypatch.setattr(worker_module, "Worker", FakeWorker)
+    return record
+
+
+def rollout_svc(*args: str):
+    return runner.invoke(rollout_cli.app, list(args))
+
+
+def test_serve_without_options_runs_the_worker_with_its_own_defaults(tmp_path, served):
+    result = rollout_svc("serve", "--spool", str(tmp_path / "s"), "--engine", "echo", "--worker-id", "w1")
+    assert result.exit_code == exit_codes.OK, result.output
+    assert served.configs == [WorkerConfig(worker_id="w1")]
+
+
+def test_serve_exits_with_the_workers_code(tmp_path, served):
+    served.rc = exit_codes.INTERNAL_ERROR
+    result = rollout_svc("serve", "--spool", str(tmp_path / "s"), "--engine", "echo")
+    assert result.exit_code == exit_codes.INTERNAL_ERROR
+
+
+def test_serve_vllm_options_default_to_the_engines_own():
+    options = inspect.signature(rollout_cli.serve).parameters
+    engine = inspect.signature(VllmEngine).parameters
+    for name in ("dtype", "max_model_len", "kv_cache_gib", "gpu_memory_utilization", "seed"):
+        assert options[name].default == engine[name].default, name
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--heartbeat", "11", "--lease", "30"], "--lease"),
+        (["--engine", "nope"], "--engine"),
+        (["--worker-id", "a b"], "--worker-id"),
+        (["--allowed-root", "/does/not/exist"], "--allowed-root"),
+    ],
+)
+def test_serve_refusals_name_the_option_and_exit_usage(tmp_path, served, args, named):
+    result = rollout_svc("serve", "--spool", str(tmp_path / "s"), "--engine", "echo", *args)
+    assert result.exit_code == exit_codes.USAGE
+    assert named in result.output and served.configs == []
+
+
+def test_serve_refuses_a_spool_it_cannot_use_naming_the_option(tmp_path, served):
+    (tmp_path / "file").write_text("")
+    result = rollout_svc("serve", "--spool", str(tmp_path / "file"), "--engine", "echo")
+    assert result.exit_code == exit_codes.USAGE
+    assert f"cannot use --spool {tmp_path / 'file'}" in result.output and served.configs == []
+
+
+def test_tiny_model_refusals_exit_usage_and_name_what_to_change(tmp_path):
+    (tmp_path / "taken").mkdir()
+    taken = rollout_svc("tiny-model", str(tmp_path / "taken"))
+    assert taken.exit_code == exit_codes.USAGE and "exists; remove it or name another directory" in taken.output
+    odd = rollout_svc("tiny-model", str(tmp_path / "odd"), "--hidden", "100")
+    assert odd.exit_code == exit_codes.USAGE and "--hidden" in odd.output
+    assert not (tmp_path / "odd").exists()

@@ -1,19 +1,22 @@
 """The Prometheus textfile: atomic rewrites that parse, counters by outcome and error code, and
-the file a real echo worker keeps while it serves."""
+the file a real echo worker keeps while it serves, which shows the worker's own counts."""
 
 from __future__ import annotations
 
 import os
 import threading
 import types
+from collections import Counter
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rollout_svc.worker as worker_module
+from protocol.messages import WorkerCounters
 from protocol.spool import Spool
 from rollout_svc.engines.echo import EchoEngine
 from rollout_svc.metrics import Metrics
+from rollout_svc.status import Tally
 from rollout_svc.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,13 +51,13 @@ def test_the_file_is_named_for_node_exporter(tmp_path):
     metrics = Metrics(tmp_path, "host-gpu0")
     assert metrics.path == tmp_path / "rollout_svc_host-gpu0.prom"
     assert not metrics.path.exists()  # nothing is written before write()
-    metrics.write()
+    metrics.write(WorkerCounters(), Tally())
     assert os.listdir(tmp_path) == ["rollout_svc_host-gpu0.prom"]
 
 
 def test_a_fresh_file_parses_with_every_family_at_zero(tmp_path):
     metrics = Metrics(tmp_path, "w1")
-    metrics.write()
+    metrics.write(WorkerCounters(), Tally())
     assert families(metrics.path) == FAMILIES
     parsed = parse(metrics.path)
     for name in ("rollout_queue_depth", "rollout_tokens_per_second", "rollout_reload_seconds",
@@ -65,47 +68,38 @@ def test_a_fresh_file_parses_with_every_family_at_zero(tmp_path):
 
 def test_counters_by_outcome_and_error_code(tmp_path):
     metrics = Metrics(tmp_path, "w1")
-    metrics.answered(True)
-    metrics.answered(True, "bad_json")  # a code on a success counts no error
-    metrics.answered(False, "bad_json")
-    metrics.answered(False, "bad_json")
-    metrics.answered(False, "weights_invalid")
-    metrics.answered(False, None)  # an error without a code counts as an error only
-    metrics.write()
+    counters = WorkerCounters(requests_ok=2, requests_failed=3, requests_abandoned=5)
+    metrics.write(counters, Tally(errors=Counter(bad_json=2, weights_invalid=1)))
     parsed = parse(metrics.path)
     assert value(parsed, "rollout_requests_total", worker="w1", outcome="ok") == 2
-    assert value(parsed, "rollout_requests_total", worker="w1", outcome="error") == 4
+    assert value(parsed, "rollout_requests_total", worker="w1", outcome="error") == 3
     assert value(parsed, "rollout_errors_total", worker="w1", code="bad_json") == 2
     assert value(parsed, "rollout_errors_total", worker="w1", code="weights_invalid") == 1
     codes = sorted(dict(labels)["code"] for name, labels in parsed if name == "rollout_errors_total")
     assert codes == ["bad_json", "weights_invalid"]
 
 
-def test_gauges_and_counters_show_their_last_values(tmp_path):
+def test_the_file_shows_the_counts_it_is_given_and_nothing_else(tmp_path):
     metrics = Metrics(tmp_path, "w1")
-    metrics.queue_depth.set(7)
-    metrics.tokens_per_s.set(123.5)
-    metrics.reload_s.set(2.25)
-    metrics.tokens.inc(40)
-    metrics.tokens.inc(2)
-    metrics.reloads.inc()
-    metrics.write()
+    counters, tally = WorkerCounters(tokens=42), Tally(queue_depth=7, tokens_per_s=123.5, reload_s=2.25, reloads=1)
+    metrics.write(counters, tally)
     parsed = parse(metrics.path)
     assert value(parsed, "rollout_queue_depth", worker="w1") == 7
     assert value(parsed, "rollout_tokens_per_second", worker="w1") == 123.5
     assert value(parsed, "rollout_reload_seconds", worker="w1") == 2.25
     assert value(parsed, "rollout_generated_tokens_total", worker="w1") == 42
     assert value(parsed, "rollout_reloads_total", worker="w1") == 1
-    metrics.queue_depth.set(0)
-    metrics.write()
+    metrics.write(counters, tally)  # rendering again counts nothing twice
+    assert parse(metrics.path) == parsed
+    tally.queue_depth = 0
+    metrics.write(counters, tally)
     assert value(parse(metrics.path), "rollout_queue_depth", worker="w1") == 0
 
 
 def test_two_workers_in_one_directory_keep_separate_files(tmp_path):
     a, b = Metrics(tmp_path, "a"), Metrics(tmp_path, "b")
-    a.answered(True)
-    a.write()
-    b.write()
+    a.write(WorkerCounters(requests_ok=1), Tally())
+    b.write(WorkerCounters(), Tally())
     assert value(parse(a.path), "rollout_requests_total", worker="a", outcome="ok") == 1
     assert not any(name == "rollout_requests_total" for name, _ in parse(b.path))
 
@@ -114,10 +108,10 @@ def test_each_write_replaces_the_file_whole(tmp_path):
     """Readers never see a half-written file: every rewrite is a new file renamed into place,
     and a reader polling during many rewrites always parses every family."""
     metrics = Metrics(tmp_path, "w1")
-    metrics.answered(True)
-    metrics.write()
+    counters, tally = WorkerCounters(requests_ok=1), Tally()
+    metrics.write(counters, tally)
     first_inode = metrics.path.stat().st_ino
-    metrics.write()
+    metrics.write(counters, tally)
     assert metrics.path.stat().st_ino != first_inode  # renamed over, not rewritten in place
 
     stop = threading.Event()
@@ -131,9 +125,10 @@ def test_each_write_replaces_the_file_whole(tmp_path):
     reader.start()
     try:
         for i in range(100):
-            metrics.answered(True)
-            metrics.answered(False, f"code_{i % 20}")  # the file grows as codes appear
-            metrics.write()
+            counters.requests_ok += 1
+            counters.requests_failed += 1
+            tally.errors[f"code_{i % 20}"] += 1  # the file grows as codes appear
+            metrics.write(counters, tally)
     finally:
         stop.set()
         reader.join(10)
@@ -164,9 +159,9 @@ def serve_with_metrics(monkeypatch):
     )
     running = []
 
-    def start(spool: Spool, metrics: Metrics) -> Worker:
+    def start(spool: Spool, metrics: Metrics, engine=None) -> Worker:
         config = WorkerConfig(worker_id="w1", lease_s=3.0, heartbeat_s=0.2, idle_exit_s=None, rescan_s=0.1)
-        worker = Worker(spool, EchoEngine(), config, metrics=metrics)
+        worker = Worker(spool, engine or EchoEngine(), config, metrics=metrics)
         outcome = {}
         thread = threading.Thread(target=lambda: outcome.update(rc=worker.serve()), daemon=True)
         thread.start()
@@ -207,3 +202,37 @@ def test_a_worker_counts_a_good_and_a_bad_request(spool, make_request, wait_for,
     assert value(parsed, "rollout_tokens_per_second", worker="w1") > 0
     assert value(parsed, "rollout_reloads_total", worker="w1") == 0  # echo never reloads
     assert spool.read_result("bad").error.code.value == "bad_json"
+
+
+class ServedElsewhereEngine(EchoEngine):
+    """The echo engine; while serving its first call, another worker finishes that request."""
+
+    def __init__(self, spool: Spool):
+        self.spool, self.calls = spool, 0
+
+    def generate(self, requests):
+        self.calls += 1
+        if self.calls == 1:
+            (self.spool.claimed / f"{requests[0].request_id}@w1.json").unlink()
+        return super().generate(requests)
+
+
+def test_the_textfile_shows_the_counts_of_the_status_file(spool, make_request, wait_for, tmp_path, serve_with_metrics):
+    """One source of counts: tokens generated for a request whose claim was lost are counted
+    nowhere, and the textfile's figures are the status file's."""
+    metrics = Metrics(tmp_path, "w1")
+    worker = serve_with_metrics(spool, metrics, ServedElsewhereEngine(spool))
+    spool.submit(make_request("lost", prompts=["abcdefgh"], n_samples_per_prompt=3, max_tokens=8))
+    counters = worker.heartbeat.status.counters
+    wait_for(lambda: counters.requests_abandoned == 1, what="the lost claim")
+    spool.submit(make_request("kept", prompts=["hello"], n_samples_per_prompt=2, max_tokens=4))
+    wait_for(lambda: spool.has_result("kept"), what="the result")
+
+    def rendered():
+        parsed = parse(metrics.path)
+        return parsed if value(parsed, "rollout_requests_total", worker="w1", outcome="ok") == 1 else None
+
+    parsed = wait_for(rendered, what="ok=1 in the textfile")
+    assert counters.tokens == 2 * 4 and counters.requests_ok == 1
+    assert value(parsed, "rollout_generated_tokens_total", worker="w1") == counters.tokens
+    assert value(parsed, "rollout_requests_total", worker="w1", outcome="error") is None

@@ -92,7 +92,9 @@ def test_the_default_now_is_the_clock(spool, make_request):
 # -- requests answered at once -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["not_json", "bad_name", "empty", "directory", "huge", "invalid_field", "unknown_schema"])
+@pytest.mark.parametrize(
+    "case", ["not_json", "bad_name", "empty", "directory", "huge", "invalid_field", "unknown_schema"]
+)
 def test_unacceptable_files_are_picked_first(spool, make_request, case, tmp_path):
     put(spool, make_request("ok1", weights_dir="/m/a"), 0)
     name = f"{case}.json"
@@ -266,7 +268,9 @@ def test_pick_reads_each_unchanged_file_once(spool, make_request, monkeypatch):
     put(spool, make_request("a2"), 1)
     reads = []
     real = scheduling.read_regular_file
-    monkeypatch.setattr(scheduling, "read_regular_file", lambda path, limit: reads.append(path.name) or real(path, limit))
+    monkeypatch.setattr(
+        scheduling, "read_regular_file", lambda path, limit: reads.append(path.name) or real(path, limit)
+    )
     scheduler = Scheduler(spool)
     for _ in range(3):
         assert pick(spool, scheduler=scheduler) == ["a1.json", "a2.json"]

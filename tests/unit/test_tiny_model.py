@@ -11,7 +11,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import rollout_svc.tiny_model as tiny_model
-from rollout_svc.tiny_model import BOS_ID, CHARACTERS, EOS_ID, HEAD_DIM, PAD_ID, SPECIAL_TOKENS, UNK_ID, build, vocab_size
+from rollout_svc.tiny_model import (
+    BOS_ID,
+    CHARACTERS,
+    EOS_ID,
+    HEAD_DIM,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    build,
+    vocab_size,
+)
 from rollout_svc.weights import WeightsPolicy, check_tokenizer_fits
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,7 +153,8 @@ def test_transformers_loads_the_model(models, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(models["seed0"])
     config = model.config
     assert config.model_type == "llama"
-    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.head_dim) == (vocab_size(), 128, 2, HEAD_DIM)
+    shape = (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.head_dim)
+    assert shape == (vocab_size(), 128, 2, HEAD_DIM)
     assert config.tie_word_embeddings is False
     assert next(model.parameters()).dtype == torch.float32
     ids = torch.tensor([tokenizer("2+2=4")["input_ids"]])

@@ -1,20 +1,24 @@
-"""Weights directories: allowed roots, validation with a stable code and a message per defect,
-content ids, and the tokenizer-size check."""
+"""Weights directories: allowed roots, validation with a stable code and a message per defect
+that names weights_dir, content ids, the bytes a load reads, the tokenizer-size check, and an
+import graph without cycles."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from protocol.messages import ErrorCode
-from rollout_svc.engines.base import RequestFailed
+import rollout_svc
 from protocol.content_id import weights_content_id as content_id
+from protocol.messages import ErrorCode
+from rollout_svc.errors import RequestFailed
 from rollout_svc.weights import WeightsPolicy, check_tokenizer_fits
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 8}
@@ -131,7 +135,9 @@ def test_a_symlinked_directory_keeps_the_requested_path(model, tmp_path):
 def test_a_missing_directory(tmp_path):
     exc = failure(tmp_path / "nope")
     assert exc.code == ErrorCode.WEIGHTS_NOT_FOUND
-    assert exc.message == f"weights_dir {tmp_path / 'nope'} does not exist or is not a directory"
+    assert exc.message == (
+        f"weights_dir {tmp_path / 'nope'} does not exist or is not a directory; name a saved model directory"
+    )
 
 
 def test_a_file_instead_of_a_directory(tmp_path):
@@ -145,7 +151,7 @@ def test_no_config_json(tmp_path):
     weights = make_weights(tmp_path / "m", config=None)
     exc = failure(weights)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message == f"{weights} has no config.json; save the model with save_pretrained"
+    assert exc.message == f"weights_dir {weights} has no config.json; save the model with save_pretrained"
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b'{"a": 1', b"\xff\xfe"])
@@ -153,7 +159,8 @@ def test_config_that_is_not_json(model, content):
     (model / "config.json").write_bytes(content)
     exc = failure(model)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message.startswith(f"{model}/config.json is unreadable: ")
+    assert exc.message.startswith(f"weights_dir {model}: config.json is unreadable (")
+    assert exc.message.endswith("); save the model again")
 
 
 def test_config_that_is_a_directory(model):
@@ -168,7 +175,7 @@ def test_config_that_is_not_an_object(model, content):
     (model / "config.json").write_text(content)
     exc = failure(model)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message == f"{model}/config.json is not a JSON object"
+    assert exc.message == f"weights_dir {model}: config.json is not a JSON object; save the model again"
 
 
 def test_no_safetensors(tmp_path):
@@ -176,7 +183,10 @@ def test_no_safetensors(tmp_path):
     (weights / "tokenizer.json").write_text("{}")
     exc = failure(weights)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message == f"{weights} has no .safetensors weights."
+    assert exc.message == (
+        f"weights_dir {weights} has no .safetensors weights. Save the model with save_pretrained(..., "
+        "safe_serialization=True)."
+    )
 
 
 def test_only_pickle_files_get_the_conversion_hint(tmp_path):
@@ -185,7 +195,7 @@ def test_only_pickle_files_get_the_conversion_hint(tmp_path):
     (weights / "extra.pt").write_bytes(b"\x80\x04")
     exc = failure(weights)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message.startswith(f"{weights} has no .safetensors weights. It holds ")
+    assert exc.message.startswith(f"weights_dir {weights} has no .safetensors weights. It holds ")
     assert "extra.pt" in exc.message and "pytorch_model.bin" in exc.message
     assert "pickle formats are never loaded" in exc.message
     assert "save_pretrained(..., safe_serialization=True)" in exc.message
@@ -209,7 +219,7 @@ def test_an_index_naming_a_missing_shard(tmp_path):
     os.unlink(weights / shards[1])
     exc = failure(weights)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message == f"{weights} lacks shards named in its index: {shards[1]}"
+    assert exc.message == f"weights_dir {weights} lacks shards named in its index: {shards[1]}; copy them too"
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": []}'])
@@ -217,7 +227,7 @@ def test_an_unreadable_index(model, content):
     (model / "model.safetensors.index.json").write_text(content)
     exc = failure(model)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message.startswith(f"{model}/model.safetensors.index.json is unreadable: ")
+    assert exc.message.startswith(f"weights_dir {model}: model.safetensors.index.json is unreadable (")
 
 
 @pytest.mark.parametrize("value", [None, 3])
@@ -237,7 +247,7 @@ def write_shard(model, data: bytes) -> None:
 def assert_corrupt(model, detail: str | None = None) -> None:
     exc = failure(model)
     assert exc.code == ErrorCode.WEIGHTS_INVALID
-    assert exc.message.startswith(f"{model}/model.safetensors is not a valid safetensors file (")
+    assert exc.message.startswith(f"weights_dir {model}: model.safetensors is not a valid safetensors file (")
     assert exc.message.endswith("); copy it again")
     if detail:
         assert detail in exc.message
@@ -291,7 +301,7 @@ def test_the_corrupt_shard_of_several_is_named(tmp_path):
     data = (weights / "b.safetensors").read_bytes()
     (weights / "b.safetensors").write_bytes(data[: len(data) // 2])
     exc = failure(weights)
-    assert exc.code == ErrorCode.WEIGHTS_INVALID and f"{weights}/b.safetensors is not a valid" in exc.message
+    assert exc.code == ErrorCode.WEIGHTS_INVALID and f"{weights}: b.safetensors is not a valid" in exc.message
 
 
 def test_metadata_in_the_header_is_not_a_tensor(model):
@@ -371,7 +381,7 @@ def test_a_tokenizer_larger_than_the_vocab_is_refused(model):
     with pytest.raises(RequestFailed) as info:
         check_tokenizer_fits(weights, 129)
     assert info.value.code == ErrorCode.WEIGHTS_INVALID
-    assert f"{model}: the tokenizer has 129 tokens but the model's vocab_size is 128" in info.value.message
+    assert f"weights_dir {model}: the tokenizer has 129 tokens but the model's vocab_size is 128" in info.value.message
     assert "ids past 127 cannot be served" in info.value.message
 
 
@@ -380,3 +390,91 @@ def test_without_an_integer_vocab_size_nothing_is_checked(tmp_path, config):
     weights = WeightsPolicy().inspect(str(make_weights(tmp_path / "m", config=config)))
     assert weights.config == config
     assert check_tokenizer_fits(weights, 10**6) is None
+
+
+# -- bytes a load reads --------------------------------------------------------------------------
+
+
+def test_size_bytes_is_the_total_size_of_the_shards_only(tmp_path):
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    weights = make_weights(tmp_path / "m", shards=shards, index=True)
+    (weights / "tokenizer.json").write_text("{}" * 100)  # not weights: not counted
+    save_file({"x": np.zeros(64, dtype=np.float32)}, str(weights / "stray.safetensors"))  # not in the index
+    expected = sum((weights / shard).stat().st_size for shard in shards)
+    assert WeightsPolicy().inspect(str(weights)).size_bytes == expected
+    single = WeightsPolicy().inspect(str(make_weights(tmp_path / "single")))
+    assert single.size_bytes == (tmp_path / "single" / "model.safetensors").stat().st_size
+
+
+# -- every refusal names the request key to change ------------------------------------------------
+
+
+def test_every_weights_refusal_names_weights_dir(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    broken_index = make_weights(tmp_path / "index", index=True)
+    (broken_index / "model.safetensors.index.json").write_text("[]")
+    truncated = make_weights(tmp_path / "truncated")
+    write_shard(truncated, shard_bytes(truncated)[:-4])
+    not_object = make_weights(tmp_path / "not-object")
+    (not_object / "config.json").write_text("[]")
+    cases = [
+        (make_weights(tmp_path / "outside"), WeightsPolicy([str(root)])),
+        (tmp_path / "missing", None),
+        (make_weights(tmp_path / "no-config", config=None), None),
+        (not_object, None),
+        (make_weights(tmp_path / "no-shards", shards=()), None),
+        (broken_index, None),
+        (truncated, None),
+    ]
+    for weights_dir, policy in cases:
+        assert failure(weights_dir, policy).message.startswith(f"weights_dir {weights_dir}"), weights_dir
+
+
+# -- imports -------------------------------------------------------------------------------------
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module of rollout_svc -> the modules of rollout_svc it imports, from the source. A
+    subpackage (engines) is one node: importing any of its modules runs its __init__ too."""
+    root = Path(rollout_svc.__file__).parent
+
+    def node(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = parts[:-1] if is_package else parts
+        package = module if is_package else module[:-1]
+        found = graph.setdefault(node(".".join(module)), set())
+        for statement in ast.walk(ast.parse(path.read_text())):
+            if isinstance(statement, ast.Import):
+                names = [alias.name for alias in statement.names]
+            elif isinstance(statement, ast.ImportFrom):
+                base = package[: len(package) - statement.level + 1] if statement.level else []
+                stem = ".".join(base + ([statement.module] if statement.module else []))
+                names = [stem] + [f"{stem}.{alias.name}" for alias in statement.names]
+            else:
+                continue
+            found.update(node(name) for name in names if name.split(".")[0] == "rollout_svc")
+    return {module: {name for name in names if name in graph and name != module} for module, names in graph.items()}
+
+
+def test_no_module_imports_one_that_imports_it():
+    graph = _package_imports()
+    assert graph["rollout_svc.weights"] == {"rollout_svc.errors"}
+    assert graph["rollout_svc.errors"] == set()
+    assert {"rollout_svc.weights", "rollout_svc.errors"} <= graph["rollout_svc.engines"]
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for name in graph[todo.pop()] - seen:
+                seen.add(name)
+                todo.append(name)
+        return seen
+
+    cycles = sorted(module for module in graph if module in reachable(module))
+    assert cycles == [], f"modules that import themselves through others: {cycles}"

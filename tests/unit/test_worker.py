@@ -1,5 +1,6 @@
-"""The worker loop with the echo engine and test doubles of it: serving, batching, failures,
-deadlines, duplicates, exits, heartbeat loss and claims taken back."""
+"""The worker loop with the echo engine and test doubles of it: serving, batching, weight loads
+in the timings, engine states in the status file, failures, deadlines, duplicates, exits,
+heartbeat loss and claims taken back."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 
 from protocol.messages import ErrorCode, Request, Result, WorkerStatus, decode_status, encode
 from protocol.spool import Spool
-from rollout_svc.engines import RequestFailed
 from rollout_svc.engines.echo import EchoEngine
+from rollout_svc.errors import RequestFailed
 from rollout_svc.scheduling import Limits
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,6 +67,33 @@ class HookEngine(RecordingEngine):
         return super().generate(requests)
 
 
+class LoadingEngine(RecordingEngine):
+    """The echo engine with weights: a call for weights it does not hold first loads them
+    (`sizes[weights_dir]` bytes, a few real milliseconds) and reports the state "reloading"."""
+
+    def __init__(self, spool: Spool, sizes: dict[str, int]):
+        super().__init__()
+        self.spool, self.sizes = spool, sizes
+        self.weights_dir = None
+        self.loads: list[tuple[str, float, int]] = []  # (weights_dir, seconds, bytes) of each load
+        self.states_seen: list[str] = []  # the status file's state right after each report
+
+    def generate(self, requests):
+        weights_dir, seconds, size = requests[0].weights_dir, 0.0, 0
+        if weights_dir != self.weights_dir:
+            started = time.monotonic()
+            self.state_listener("reloading")
+            self.states_seen.append(decode_status((self.spool.workers / "w1.json").read_bytes()).state)
+            time.sleep(0.02)
+            seconds, size = time.monotonic() - started, self.sizes[weights_dir]
+            self.weights_dir = weights_dir
+            self.loads.append((weights_dir, seconds, size))
+        completions = super().generate(requests)
+        for completion in completions:
+            completion.reload_s, completion.reload_bytes = seconds, size
+        return completions
+
+
 def submit_aged(spool: Spool, requests: list[Request]) -> None:
     """Submit in order, each visibly older than the next, so the scan order is the list order."""
     spool.submit_many(requests)
@@ -97,6 +125,7 @@ def test_serves_a_request_and_archives_it(spool, make_request, run_worker, wait_
     assert result.weights_dir == request.weights_dir
     assert result.worker_id == "w1" and result.engine.startswith("echo")
     assert result.timings.queued_s >= 0 and result.finished_at > 0
+    assert (result.timings.reload_s, result.timings.reload_bytes) == (0.0, 0)  # the echo loads nothing
     wait_for(lambda: (spool.done / "r1.request.json").exists(), what="the request in done/")
     assert os.listdir(spool.requests) == [] and os.listdir(spool.claimed) == []
     wait_for(lambda: handle.counters.requests_ok == 1, what="the ok counter")
@@ -184,6 +213,38 @@ def test_sequence_limit_splits_engine_calls(spool, make_request, run_worker, wai
     assert engine.calls == [["r0", "r1"], ["r2"]]
 
 
+# -- weight loads --------------------------------------------------------------------------------------
+
+
+def test_results_report_the_seconds_and_bytes_of_each_weights_load(spool, make_request, run_worker, wait_for):
+    engine = LoadingEngine(spool, {"/models/one": 1000, "/models/two": 2_000_000})
+    submit_aged(spool, [make_request("a1", weights_dir="/models/one"), make_request("a2", weights_dir="/models/one")])
+    run_worker(spool, engine)
+    first = wait_results(spool, wait_for, ["a1", "a2"])
+    spool.submit(make_request("b1", weights_dir="/models/two"))
+    b1 = wait_results(spool, wait_for, ["b1"])["b1"]
+    spool.submit(make_request("b2", weights_dir="/models/two"))
+    b2 = wait_results(spool, wait_for, ["b2"])["b2"]
+    assert engine.calls == [["a1", "a2"], ["b1"], ["b2"]]
+    (_, one_s, one_bytes), (_, two_s, two_bytes) = engine.loads
+    for result in first.values():  # one load for the call that served both
+        assert (result.timings.reload_s, result.timings.reload_bytes) == (one_s, one_bytes) == (one_s, 1000)
+    assert (b1.timings.reload_s, b1.timings.reload_bytes) == (two_s, two_bytes) == (two_s, 2_000_000)
+    assert one_s >= 0.02 and two_s >= 0.02
+    assert (b2.timings.reload_s, b2.timings.reload_bytes) == (0.0, 0)  # already loaded
+    for result in [*first.values(), b1, b2]:
+        assert result.ok and 0 <= result.timings.generate_s < 5  # the load is not counted twice
+
+
+def test_engine_states_reach_the_status_file_through_the_declared_listener(spool, make_request, run_worker, wait_for):
+    engine = LoadingEngine(spool, {"/models/one": 1})
+    handle = run_worker(spool, engine)
+    spool.submit(make_request("r1", weights_dir="/models/one"))
+    wait_results(spool, wait_for, ["r1"])
+    assert engine.states_seen == ["reloading"]
+    wait_for(lambda: handle.worker.heartbeat.status.state == "idle", what="the idle state after the batch")
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 
@@ -199,6 +260,7 @@ def test_a_failing_request_is_isolated_from_its_batch(spool, make_request, run_w
     bad = results["bad"]
     assert not bad.ok and bad.error.code is ErrorCode.ENGINE_ERROR
     assert "RuntimeError" in bad.error.message and "the engine choked on boom" in bad.error.message
+    assert "the log of worker w1 has the traceback" in bad.error.message
     assert bad.texts == [] and bad.worker_id == "w1"
 
 
@@ -373,7 +435,9 @@ def test_a_claim_taken_back_during_generation_is_not_published(spool, make_reque
         assert handle.counters.requests_ok == 1 and handle.counters.requests_abandoned == 1
 
 
-def test_a_claim_taken_back_before_it_is_read_does_not_crash_the_worker(spool, make_request, run_worker, wait_for, monkeypatch):
+def test_a_claim_taken_back_before_it_is_read_does_not_crash_the_worker(
+    spool, make_request, run_worker, wait_for, monkeypatch
+):
     real_load, taken = spool.load, []
 
     def load(claim, *args, **kwargs):

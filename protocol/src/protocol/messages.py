@@ -112,6 +112,9 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     queued_s: float = 0.0  # from the request file's arrival in requests/ to its claim
     reload_s: float = 0.0  # weight reload done for this request (0 when already loaded)
+    # Bytes of the weight files that reload loaded (the safetensors shards' total size; 0 when
+    # already loaded). Optional with a default, so results written before it existed still decode.
+    reload_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     generate_s: float = 0.0  # engine time of the call that served this request
 
 

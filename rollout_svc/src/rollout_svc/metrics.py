@@ -2,35 +2,68 @@
 
 Point node_exporter's `--collector.textfile.directory` at the directory given to
 `rollout-svc serve --metrics-dir`; each worker writes `rollout_svc_<worker_id>.prom`.
+
+The textfile counts nothing itself: each write renders the worker's own counts (the status
+file's counters and the worker's Tally), so the textfile and `workers/<id>.json` always agree.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protocol.messages import WorkerCounters
+
+from .status import Tally
 
 
 class Metrics:
     def __init__(self, directory: Path, worker_id: str):
         self.path = Path(directory) / f"rollout_svc_{worker_id}.prom"
-        self.registry = CollectorRegistry()
-        labels = {"worker": worker_id}
-        r = self.registry
-        self.queue_depth = Gauge("rollout_queue_depth", "Requests waiting in requests/", ["worker"], registry=r).labels(**labels)
-        self.tokens_per_s = Gauge("rollout_tokens_per_second", "Generated tokens per second in the last engine call", ["worker"], registry=r).labels(**labels)
-        self.reload_s = Gauge("rollout_reload_seconds", "Duration of the last weight reload or engine build", ["worker"], registry=r).labels(**labels)
-        self.tokens = Counter("rollout_generated_tokens", "Generated tokens", ["worker"], registry=r).labels(**labels)
-        self.requests = Counter("rollout_requests", "Requests answered, by outcome", ["worker", "outcome"], registry=r)
-        self.errors = Counter("rollout_errors", "Error results, by code", ["worker", "code"], registry=r)
-        self.reloads = Counter("rollout_reloads", "Weight changes", ["worker"], registry=r).labels(**labels)
-        self._worker = worker_id
+        self.worker_id = worker_id
 
-    def answered(self, ok: bool, error_code: str | None = None) -> None:
-        self.requests.labels(worker=self._worker, outcome="ok" if ok else "error").inc()
-        if not ok and error_code:
-            self.errors.labels(worker=self._worker, code=error_code).inc()
-
-    def write(self) -> None:
+    def write(self, counters: WorkerCounters, tally: Tally) -> None:
+        """Render the worker's counts into the textfile."""
+        registry = CollectorRegistry()
+        registry.register(_Snapshot(self.worker_id, counters, tally))
         # write_to_textfile writes a temporary file and renames it: scrapers never see half.
-        write_to_textfile(str(self.path), self.registry)
+        write_to_textfile(str(self.path), registry)
+
+
+class _Snapshot:
+    """A prometheus_client collector yielding the families of one worker's counts."""
+
+    def __init__(self, worker_id: str, counters: WorkerCounters, tally: Tally):
+        self.worker_id, self.counters, self.tally = worker_id, counters, tally
+
+    def collect(self):
+        w, c, t = [self.worker_id], self.counters, self.tally
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["worker"])
+            family.add_metric(w, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["worker"])
+            family.add_metric(w, value)
+            return family
+
+        yield gauge("rollout_queue_depth", "Requests waiting in requests/", t.queue_depth)
+        yield gauge("rollout_tokens_per_second", "Generated tokens per second in the last engine call", t.tokens_per_s)
+        yield gauge("rollout_reload_seconds", "Duration of the last weight reload or engine build", t.reload_s)
+        yield counter("rollout_generated_tokens", "Generated tokens", c.tokens)
+        requests = CounterMetricFamily(
+            "rollout_requests", "Requests answered, by outcome", labels=["worker", "outcome"]
+        )
+        for outcome, count in (("ok", c.requests_ok), ("error", c.requests_failed)):
+            if count:  # an outcome appears once it happened, as a labelled prometheus_client Counter does
+                requests.add_metric([*w, outcome], count)
+        yield requests
+        errors = CounterMetricFamily("rollout_errors", "Error results, by code", labels=["worker", "code"])
+        for code, count in sorted(t.errors.items()):
+            errors.add_metric([*w, code], count)
+        yield errors
+        yield counter("rollout_reloads", "Weight changes", t.reloads)

@@ -32,9 +32,9 @@ def weights_key(request: Request) -> tuple[str, str | None]:
 
 
 class Scheduler:
-    def __init__(self, spool: Spool, limits: Limits = Limits()):
+    def __init__(self, spool: Spool, limits: Limits | None = None):
         self.spool = spool
-        self.limits = limits
+        self.limits = limits or Limits()
         self._peeked: dict[tuple[str, float, int], Request | None] = {}
 
     def pick(self, entries: list[Entry], loaded_weights_dir: str | None, now: float | None = None) -> list[Entry]:
@@ -58,7 +58,8 @@ class Scheduler:
         for entry, request in peeked:
             if weights_key(request) != target:
                 continue
-            if batch and (len(batch) >= self.limits.max_requests or sequences + request.num_sequences > self.limits.max_sequences):
+            full = len(batch) >= self.limits.max_requests
+            if batch and (full or sequences + request.num_sequences > self.limits.max_sequences):
                 break
             batch.append(entry)
             sequences += request.num_sequences

@@ -1,9 +1,13 @@
-"""The worker's status file and the heartbeat thread that keeps it fresh.
+"""The worker's status file, the heartbeat thread that keeps it fresh, and the worker's counts.
 
 The status file's mtime is the lease: other processes give this worker's claims back to
 requests/ once it is older than `lease_s`. The heartbeat runs in its own thread so a long
 engine call does not starve it; if writing fails, `alive()` turns false and the worker loop
 stops publishing (a worker without a heartbeat may already have lost its claims).
+
+The worker counts in two places and nowhere else: the status file's `counters` (requests,
+samples, tokens) and a `Tally` of what the status file does not show (errors by code, reloads,
+the last engine call's rate, the queue depth). The metrics textfile renders both.
 """
 
 from __future__ import annotations
@@ -13,12 +17,25 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from protocol.messages import WorkerCounters, WorkerState, WorkerStatus
 from protocol.spool import Spool
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tally:
+    """The worker's figures beyond the status file's counters, kept for the metrics textfile."""
+
+    errors: Counter[str] = field(default_factory=Counter)  # error results by code (sum: requests_failed)
+    reloads: int = 0  # engine calls that loaded weights (a reload in place or an engine build)
+    reload_s: float = 0.0  # seconds of the last such load
+    tokens_per_s: float = 0.0  # generated tokens per second of the last engine call
+    queue_depth: int = 0  # requests waiting in requests/ at the last scan
 
 
 class Heartbeat:
@@ -34,7 +51,10 @@ class Heartbeat:
         on_beat: Callable[[], None] = lambda: None,
     ):
         if interval_s * 3 > lease_s:
-            raise ValueError(f"heartbeat interval {interval_s} s must be at most a third of the lease {lease_s} s")
+            raise ValueError(
+                f"heartbeat interval {interval_s} s must be at most a third of the lease {lease_s} s; "
+                "lower heartbeat_s (--heartbeat) or raise lease_s (--lease)"
+            )
         self.spool = spool
         self.lease_s = lease_s
         self.interval_s = interval_s

@@ -56,14 +56,14 @@ def build(
     `init_std` 0.02 is the usual initialisation, right for training (the demo): its
     near-uniform outputs leave room to explore. Engine tests pass a wide one (0.3) so that
     greedy decoding has clear gaps between logits and does not hinge on rounding."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     if hidden % HEAD_DIM:
         raise ValueError(f"hidden size {hidden} must be a multiple of the head size {HEAD_DIM}")
     out = Path(out).absolute()
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or choose another directory")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
     config = LlamaConfig(
         vocab_size=vocab_size(),
         hidden_size=hidden,

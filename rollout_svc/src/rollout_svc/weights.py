@@ -5,6 +5,7 @@ model.safetensors.index.json when sharded) and tokenizer files. Only safetensors
 pickle-based formats (.bin, .pt) are refused, never opened.
 
 Content ids are protocol.content_id's: the manifest's, or a hash of the files' stat data.
+Every refusal is a RequestFailed whose message starts with the request's `weights_dir`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from protocol.content_id import weights_content_id
 from protocol.messages import ErrorCode
 
-from .engines.base import RequestFailed
+from .errors import RequestFailed
 
 # config.json keys that fix the shapes of the engine's tensors: a change needs a new engine.
 ARCHITECTURE_KEYS = (
@@ -47,14 +48,11 @@ class Weights:
     content_id: str
     config: dict
     shards: tuple[str, ...]  # safetensors file names
+    size_bytes: int  # the shards' total size: what loading these weights reads
 
     @property
     def architecture(self) -> dict:
         return {k: self.config.get(k) for k in ARCHITECTURE_KEYS}
-
-
-def _fail(code: ErrorCode, message: str) -> RequestFailed:
-    return RequestFailed(code, message)
 
 
 class WeightsPolicy:
@@ -65,8 +63,9 @@ class WeightsPolicy:
 
     def check_allowed(self, weights_dir: str) -> str:
         real = os.path.realpath(weights_dir)
-        if self.allowed_roots and not any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.allowed_roots):
-            raise _fail(
+        inside = any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.allowed_roots)
+        if self.allowed_roots and not inside:
+            raise RequestFailed(
                 ErrorCode.WEIGHTS_NOT_ALLOWED,
                 f"weights_dir {weights_dir} (resolved: {real}) is outside the allowed roots "
                 f"{', '.join(self.allowed_roots)}; move the checkpoint under one of them or start "
@@ -78,12 +77,14 @@ class WeightsPolicy:
         """Validate a weights directory without loading tensors. Raises RequestFailed."""
         real = self.check_allowed(weights_dir)
         if not os.path.isdir(real):
-            raise _fail(ErrorCode.WEIGHTS_NOT_FOUND, f"weights_dir {weights_dir} does not exist or is not a directory")
+            raise RequestFailed(
+                ErrorCode.WEIGHTS_NOT_FOUND,
+                f"weights_dir {weights_dir} does not exist or is not a directory; name a saved model directory",
+            )
         config = _read_config(real, weights_dir)
         shards = _shards(real, weights_dir)
-        for shard in shards:
-            _check_safetensors_header(Path(real) / shard, weights_dir)
-        return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards))
+        size_bytes = sum(_check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
+        return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards), size_bytes)
 
 
 def _read_config(real: str, shown: str) -> dict:
@@ -92,11 +93,17 @@ def _read_config(real: str, shown: str) -> dict:
         with open(path, "rb") as f:
             config = json.loads(f.read())
     except FileNotFoundError:
-        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown} has no config.json; save the model with save_pretrained") from None
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown} has no config.json; save the model with save_pretrained"
+        ) from None
     except (OSError, ValueError) as exc:
-        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/config.json is unreadable: {exc}") from None
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: config.json is unreadable ({exc}); save the model again"
+        ) from None
     if not isinstance(config, dict):
-        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/config.json is not a JSON object")
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: config.json is not a JSON object; save the model again"
+        )
     return config
 
 
@@ -111,25 +118,33 @@ def _shards(real: str, shown: str) -> list[str]:
                 raise ValueError("weight_map values must be shard file names")
             wanted = sorted(set(shard_names))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/model.safetensors.index.json is unreadable: {exc}") from None
+            raise RequestFailed(
+                ErrorCode.WEIGHTS_INVALID,
+                f"weights_dir {shown}: model.safetensors.index.json is unreadable ({exc}); save the model again",
+            ) from None
         missing = [s for s in wanted if s not in names]
         if missing:
-            raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown} lacks shards named in its index: {', '.join(missing[:5])}")
+            raise RequestFailed(
+                ErrorCode.WEIGHTS_INVALID,
+                f"weights_dir {shown} lacks shards named in its index: {', '.join(missing[:5])}; copy them too",
+            )
         return wanted
     shards = [n for n in names if n.endswith(".safetensors")]
     if not shards:
         pickled = [n for n in names if n.endswith(_PICKLE_SUFFIXES)]
         hint = (
             f" It holds {', '.join(pickled[:3])}: pickle formats are never loaded; convert them with "
-            "save_pretrained(..., safe_serialization=True)." if pickled else ""
+            "save_pretrained(..., safe_serialization=True)."
+            if pickled
+            else " Save the model with save_pretrained(..., safe_serialization=True)."
         )
-        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown} has no .safetensors weights.{hint}")
+        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown} has no .safetensors weights.{hint}")
     return shards
 
 
-def _check_safetensors_header(path: Path, shown: str) -> None:
+def _check_safetensors_header(path: Path, shown: str) -> int:
     """A shard is corrupt when its header is unreadable or its tensors run past the end of
-    the file (a truncated copy). Reads only the header, not the tensors."""
+    the file (a truncated copy). Reads only the header, not the tensors; returns the file's size."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -141,15 +156,19 @@ def _check_safetensors_header(path: Path, shown: str) -> None:
         if 8 + header_len + end > size:
             raise ValueError(f"tensors need {8 + header_len + end} bytes, the file has {size}")
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise _fail(ErrorCode.WEIGHTS_INVALID, f"{shown}/{path.name} is not a valid safetensors file ({exc}); copy it again") from None
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID,
+            f"weights_dir {shown}: {path.name} is not a valid safetensors file ({exc}); copy it again",
+        ) from None
+    return size
 
 
 def check_tokenizer_fits(weights: Weights, tokenizer_size: int) -> None:
     """The tokenizer must not produce ids beyond the model's embedding table."""
     vocab = weights.config.get("vocab_size")
     if isinstance(vocab, int) and tokenizer_size > vocab:
-        raise _fail(
+        raise RequestFailed(
             ErrorCode.WEIGHTS_INVALID,
-            f"{weights.path}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+            f"weights_dir {weights.path}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
             f"{vocab}; ids past {vocab - 1} cannot be served. Save the tokenizer that belongs to these weights",
         )

@@ -3,10 +3,15 @@
     scan requests/ -> scheduler picks a batch -> claim + validate each -> one engine call per
     weights -> check heartbeat and claims -> publish results -> archive in done/
 
-Exit paths: SIGTERM or SIGINT let the batch in hand finish for up to `stop_grace_s`, then give
-its claims back, and exit 0 (a second signal gives them back at once); `idle_exit_s` without a
-request exits 0 and frees the device; a failed heartbeat exits 1 without publishing (another
-worker serves the claims once the lease runs out).
+Exit paths (protocol.exit_codes): SIGTERM or SIGINT let the batch in hand finish for up to
+`stop_grace_s`, then give its claims back, and exit OK (0; a second signal gives them back at
+once); `idle_exit_s` without a request exits OK and frees the device; a failed heartbeat exits
+INTERNAL_ERROR (1) without publishing (another worker serves the claims once the lease runs
+out); weights that cannot be preloaded exit USAGE (2).
+
+Each result's timings say what its engine call spent loading weights: seconds and bytes of
+weight files (0 and 0 when they were already loaded). The worker counts into the status file's
+counters and its Tally only; the metrics textfile, when asked for, renders those.
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import exit_codes
-from protocol.messages import ErrorCode, MessageError, Request, Result, Timings
+from protocol.messages import ErrorCode, MessageError, Request, Result, Timings, WorkerState
 from protocol.spool import Claim, ClaimLost, Spool, split_claimed_name
 from protocol.watch import Waker
 
-from .engines import Completion, Engine, RequestFailed
+from .engines import Completion, Engine
+from .errors import RequestFailed
 from .metrics import Metrics
 from .notify import Notifier
 from .scheduling import Limits, Scheduler, weights_key
-from .status import Heartbeat
+from .status import Heartbeat, Tally
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,8 @@ EXIT_PRELOAD_FAILED = exit_codes.USAGE
 
 @dataclass
 class WorkerConfig:
+    """The worker's settings; `rollout-svc serve` takes its option defaults from here."""
+
     worker_id: str
     lease_s: float = 30.0  # others recover our claims when our heartbeat is older than this
     heartbeat_s: float = 2.0
@@ -65,12 +73,21 @@ class _StopNow(BaseException):
 
 
 class Worker:
-    def __init__(self, spool: Spool, engine: Engine, config: WorkerConfig, *, notifier: Notifier | None = None, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        spool: Spool,
+        engine: Engine,
+        config: WorkerConfig,
+        *,
+        notifier: Notifier | None = None,
+        metrics: Metrics | None = None,
+    ):
         self.spool = spool
         self.engine = engine
         self.config = config
         self.notifier = notifier or Notifier({})
-        self.metrics = metrics
+        self.metrics = metrics  # renders the counts below into a textfile; counts nothing itself
+        self.tally = Tally()  # with self.heartbeat.status.counters: every count the worker keeps
         self.scheduler = Scheduler(spool, config.limits)
         self.heartbeat = Heartbeat(
             spool,
@@ -81,8 +98,7 @@ class Worker:
             interval_s=config.heartbeat_s,
             on_beat=self.notifier.watchdog,
         )
-        if hasattr(engine, "on_state"):
-            engine.on_state = self._engine_state
+        engine.set_state_listener(self._engine_state)
         self._stopping = False
         self._in_engine = False
         self._waker: Waker | None = None
@@ -128,7 +144,7 @@ class Worker:
         try:
             self.engine.ensure_weights(weights_dir)
         except RequestFailed as exc:
-            log.error("cannot preload %s: %s", weights_dir, exc.message)
+            log.error("cannot preload --weights %s: %s", weights_dir, exc.message)
             return False
         self._engine_state("idle")
         return True
@@ -148,12 +164,8 @@ class Worker:
                 if recovered:
                     log.warning("gave back %d claims of dead workers: %s", len(recovered), recovered[:5])
             entries = self.spool.pending()
-            if self.metrics is not None:
-                self.metrics.queue_depth.set(len(entries))
-                try:
-                    self.metrics.write()
-                except OSError as exc:  # monitoring must not stop the service
-                    log.warning("metrics textfile not written: %s", exc)
+            self.tally.queue_depth = len(entries)
+            self._write_metrics()
             if entries:
                 batch = self.scheduler.pick(entries, self.engine.weights_dir)
                 exit_code = self._serve_batch(batch)
@@ -219,9 +231,8 @@ class Worker:
         except MessageError as exc:
             log.warning("rejected %s: %s", claim.name, exc.message)
             self.spool.reject(claim, exc, self.config.worker_id)
-            self.heartbeat.count(requests_failed=1)
+            self._count_failure(exc.code)
             self.heartbeat.update(last_error=f"{claim.name}: {exc.message}")
-            self._count_metrics(False, exc.code.value)
             return None
         if self.spool.has_result(request.request_id):
             # Served before: a duplicate delivery after a lease recovery. First result stands.
@@ -230,7 +241,10 @@ class Worker:
         job = _Job(claim, request, claimed_at)
         if request.deadline is not None and claimed_at > request.deadline:
             late = claimed_at - request.deadline
-            message = f"deadline passed {late:.1f} s before a worker could start it; resubmit with a later deadline or add workers"
+            message = (
+                f"deadline passed {late:.1f} s before a worker could start it; "
+                "resubmit with a later deadline or add workers"
+            )
             self._publish([job], [self._failure(job, ErrorCode.DEADLINE_EXPIRED, message)])
             return None
         return job
@@ -254,17 +268,15 @@ class Worker:
             signal.alarm(0)
         generate_s = time.monotonic() - started
         results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
-        if self.metrics is not None:
-            tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
-            self.metrics.tokens.inc(tokens)
-            self.metrics.tokens_per_s.set(tokens / max(generate_s, 1e-9))
-            if completions and completions[0].reload_s:
-                self.metrics.reload_s.set(completions[0].reload_s)
-                self.metrics.reloads.inc()
+        tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
+        self.tally.tokens_per_s = tokens / max(generate_s, 1e-9)
+        if completions and (completions[0].reload_s or completions[0].reload_bytes):  # one load per call
+            self.tally.reloads += 1
+            self.tally.reload_s = completions[0].reload_s
         return results
 
     def _publish(self, group: list[_Job], results: list[Result]) -> None:
-        held = [(job, result) for job, result in zip(group, results) if self.spool.holds(job.claim)]
+        held = [(job, result) for job, result in zip(group, results, strict=True) if self.spool.holds(job.claim)]
         lost = len(group) - len(held)
         if lost:
             # Recovered while we worked: the request is back in requests/ and someone else
@@ -279,12 +291,23 @@ class Worker:
                 tokens = sum(len(t) for per_prompt in result.token_ids for t in per_prompt)
                 self.heartbeat.count(requests_ok=1, samples=samples, tokens=tokens)
             else:
-                self.heartbeat.count(requests_failed=1)
-            self._count_metrics(result.ok, result.error.code.value if result.error else None)
+                self._count_failure(result.error.code)
 
     # -- status ----------------------------------------------------------------------------------
 
-    def _engine_state(self, state: str, **_fields) -> None:
+    def _count_failure(self, code: ErrorCode) -> None:
+        self.heartbeat.count(requests_failed=1)
+        self.tally.errors[code.value] += 1
+
+    def _write_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.write(self.heartbeat.status.counters, self.tally)
+        except OSError as exc:  # monitoring must not stop the service
+            log.warning("metrics textfile not written: %s", exc)
+
+    def _engine_state(self, state: WorkerState) -> None:
         """Engines report loading/reloading/generating; mirror it in the status and systemd."""
         current = self.heartbeat.status.current_request if state in ("reloading", "loading", "generating") else None
         self.heartbeat.update(
@@ -292,7 +315,7 @@ class Worker:
             current_request=current,
             weights_dir=self.engine.weights_dir,
             weights_content_id=self.engine.weights_content_id,
-            engine_build_s=getattr(self.engine, "build_s", None) or None,
+            engine_build_s=self.engine.build_s or None,
         )
         self.notifier.status(self._describe())
 
@@ -301,10 +324,6 @@ class Worker:
         weights = s.weights_dir or "no weights loaded"
         doing = f" {s.current_request}" if s.current_request else ""
         return f"{s.state}{doing}; {weights}; ok {s.counters.requests_ok}, failed {s.counters.requests_failed}"
-
-    def _count_metrics(self, ok: bool, code: str | None) -> None:
-        if self.metrics is not None:
-            self.metrics.answered(ok, code)
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -326,16 +345,23 @@ class Worker:
             logprobs=c.logprobs if job.request.logprobs else [],
             finish_reasons=c.finish_reasons,
             prompt_token_ids=c.prompt_token_ids,
-            timings=Timings(queued_s=job.queued_s, reload_s=c.reload_s, generate_s=generate_s - c.reload_s),
+            timings=Timings(
+                queued_s=job.queued_s,
+                reload_s=c.reload_s,
+                reload_bytes=c.reload_bytes,
+                generate_s=generate_s - c.reload_s,
+            ),
             **self._common(job),
         )
 
     def _failure(self, job: _Job, code: ErrorCode, message: str) -> Result:
         self.heartbeat.update(last_error=f"{job.request.request_id}: {message}")
-        return Result.failure(code=code, message=message, timings=Timings(queued_s=job.queued_s), **self._common(job))
+        timings = Timings(queued_s=job.queued_s)
+        return Result.failure(code=code, message=message, timings=timings, **self._common(job))
 
     def _error_result(self, job: _Job, exc: Exception) -> Result:
         if isinstance(exc, RequestFailed):
             return self._failure(job, exc.code, exc.message)
         log.exception("engine failed on %s", job.request.request_id)
-        return self._failure(job, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")
+        message = f"{type(exc).__name__}: {exc} (the log of worker {self.config.worker_id} has the traceback)"
+        return self._failure(job, ErrorCode.ENGINE_ERROR, message)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Completion, Engine, RequestFailed
+from ..errors import RequestFailed
+from .base import Completion, Engine
 
 ENGINES = ("echo", "vllm")
 
@@ -17,7 +18,7 @@ def make_engine(name: str, **options) -> Engine:
         from .vllm import VllmEngine
 
         return VllmEngine(**options)
-    raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    raise ValueError(f"unknown engine {name!r}; set --engine to one of {', '.join(ENGINES)}")
 
 
 __all__ = ["Completion", "Engine", "RequestFailed", "ENGINES", "make_engine"]

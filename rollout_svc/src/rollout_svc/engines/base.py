@@ -2,25 +2,26 @@
 
 An engine serves a batch of requests that share weights and sampling settings in one call and
 returns one Completion per request, in order. Request-specific failures (a prompt too long,
-weights it cannot load) are raised as RequestFailed so the worker can turn them into error
-results; anything else is a bug or a broken engine and is reported as `engine_error`.
+weights it cannot load) are raised as RequestFailed (rollout_svc.errors) so the worker can turn
+them into error results; anything else is a bug or a broken engine and is reported as
+`engine_error`. An engine reports what it is doing (loading, reloading, generating) to the one
+listener the worker gives it with `set_state_listener`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
-from protocol.messages import ErrorCode, Request
+from protocol.messages import Request
+
+EngineState = Literal["loading", "reloading", "generating"]
+StateListener = Callable[[EngineState], None]
 
 
-class RequestFailed(Exception):
-    """A request this engine cannot serve; becomes an error result with `code`."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+def ignore_state(state: EngineState) -> None:
+    """The listener of an engine nobody listens to."""
 
 
 @dataclass
@@ -32,8 +33,8 @@ class Completion:
     logprobs: list[list[list[float]]]
     finish_reasons: list[list[str]]
     prompt_token_ids: list[list[int]]
-    reload_s: float = 0.0  # weight reload this call needed
-    extra: dict = field(default_factory=dict)
+    reload_s: float = 0.0  # weight reload or engine build this call needed (0 when already loaded)
+    reload_bytes: int = 0  # bytes of the weight files that reload loaded (0 when already loaded)
 
 
 class Engine(Protocol):
@@ -41,6 +42,11 @@ class Engine(Protocol):
     device: str  # "cpu", "cuda:0"...
     weights_dir: str | None  # weights currently loaded, if the engine has any
     weights_content_id: str | None
+    build_s: float  # seconds the last engine build took; 0.0 before one, or for engines that build none
+
+    def set_state_listener(self, listener: StateListener) -> None:
+        """Call `listener` with each state the engine enters ("loading", "reloading", "generating")."""
+        ...
 
     def ensure_weights(self, weights_dir: str, expected_content_id: str | None = None) -> float:
         """Load `weights_dir` if it is not what the engine holds; returns the seconds spent.

@@ -4,7 +4,8 @@ An operator's smoke test of a deployment (spool permissions, systemd units, prod
 a GPU or weights. Tokens are Unicode code points: a completion is the first `max_tokens`
 characters of its prompt, finishing with "length" when that cut it short and "stop" otherwise.
 Each token's logprob is 0.0 (the echo is certain). Prompts given as token ids are echoed as
-those ids, their text being the code points they name.
+those ids, their text being the code points they name. It loads nothing, so it never reports a
+state to its listener and every completion has a reload of 0 seconds and 0 bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from protocol.messages import Request
 
 from .. import __version__
-from .base import Completion
+from .base import Completion, StateListener, ignore_state
 
 
 class EchoEngine:
@@ -20,6 +21,11 @@ class EchoEngine:
     device = "cpu"
     weights_dir = None
     weights_content_id = None
+    build_s = 0.0
+    state_listener = staticmethod(ignore_state)
+
+    def set_state_listener(self, listener: StateListener) -> None:
+        self.state_listener = listener  # kept for subclasses: the echo itself has no state to report
 
     def ensure_weights(self, weights_dir: str, expected_content_id: str | None = None) -> float:
         return 0.0  # no weights: any weights_dir is served by echoing

@@ -8,6 +8,10 @@ Weight changes, cheapest path first:
 - architecture or tokenizer changed, or the in-place reload failed or left stale tensors:
   build a new engine.
 
+Each load reports its seconds and the bytes of the weight files it loaded (0 and 0 when the
+weights were already live), and the engine's state ("loading", "reloading", "generating") goes
+to the listener set with `set_state_listener`.
+
 Sampling logprobs are vLLM's `processed_logprobs`: the log-probabilities of the distribution the
 token was drawn from (temperature and top-p applied), which is what an importance ratio needs.
 """
@@ -19,22 +23,41 @@ import logging
 import math
 import os
 import time
-from typing import Callable
+from typing import NamedTuple
 
 from protocol.messages import ErrorCode, Request
 
+from ..errors import RequestFailed
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
-from .base import Completion, RequestFailed
+from .base import Completion, StateListener, ignore_state
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "rollout_svc.engines.vllm_extension.WeightProbe"
 PROBED_TENSORS = 6  # largest comparable tensors checked after each reload
 PROBE_RTOL = 1e-5
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 class StaleWeights(RuntimeError):
     """The engine's tensors differ from the files after a reload."""
+
+
+class Load(NamedTuple):
+    """What making weights live cost: seconds, and bytes of weight files loaded."""
+
+    seconds: float
+    bytes: int
+
+
+ALREADY_LIVE = Load(0.0, 0)
 
 
 class VllmEngine:
@@ -49,7 +72,6 @@ class VllmEngine:
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = True,
         seed: int = 0,
-        on_state: Callable[..., None] = lambda state, **fields: None,
     ):
         import vllm
 
@@ -62,12 +84,11 @@ class VllmEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
         self.seed = seed
-        self.on_state = on_state
+        self._on_state: StateListener = ignore_state
         self.llm = None
         self.weights: Weights | None = None
         self.tokenizer_id: str | None = None
         self.build_s = 0.0  # time of the last engine build
-        self.rebuilds = 0  # engine builds after the first
 
     @property
     def weights_dir(self) -> str | None:
@@ -77,23 +98,37 @@ class VllmEngine:
     def weights_content_id(self) -> str | None:
         return self.weights.content_id if self.weights else None
 
+    def set_state_listener(self, listener: StateListener) -> None:
+        self._on_state = listener
+
     # -- weights ---------------------------------------------------------------------------------
 
     def ensure_weights(self, weights_dir: str, expected_content_id: str | None = None) -> float:
         """Make `weights_dir` the live weights; returns the seconds it took (0 if already live)."""
+        return self.load(weights_dir, expected_content_id).seconds
+
+    def load(self, weights_dir: str, expected_content_id: str | None = None) -> Load:
+        """Make `weights_dir` the live weights: in place when it can, else in a new engine."""
         weights = self.policy.inspect(weights_dir)
         if expected_content_id is not None and weights.content_id != expected_content_id:
             raise RequestFailed(
                 ErrorCode.WEIGHTS_INVALID,
-                f"{weights_dir} has content id {weights.content_id}, the request expects "
-                f"{expected_content_id}: the directory was replaced since the request was written",
+                f"weights_dir {weights_dir} has content id {weights.content_id}, the request's weights_content_id "
+                f"is {expected_content_id}: the directory was replaced since the request was written; "
+                "resubmit with the new weights_content_id or without one",
             )
-        if self.weights is not None and (weights.real_path, weights.content_id) == (self.weights.real_path, self.weights.content_id):
-            return 0.0
+        live = self.weights
+        if live is not None and (weights.real_path, weights.content_id) == (live.real_path, live.content_id):
+            return ALREADY_LIVE
         tokenizer, tokenizer_id = _load_tokenizer(weights)
         check_tokenizer_fits(weights, len(tokenizer))
         started = time.monotonic()
-        same_shape = self.llm is not None and weights.architecture == self.weights.architecture and tokenizer_id == self.tokenizer_id
+        same_shape = (
+            self.llm is not None
+            and live is not None
+            and weights.architecture == live.architecture
+            and tokenizer_id == self.tokenizer_id
+        )
         if same_shape:
             try:
                 self._reload_in_place(weights)
@@ -103,17 +138,17 @@ class VllmEngine:
         else:
             self._build(weights)
         self.weights, self.tokenizer_id = weights, tokenizer_id
-        return time.monotonic() - started
+        return Load(time.monotonic() - started, weights.size_bytes)
 
     def _reload_in_place(self, weights: Weights) -> None:
-        self.on_state("reloading")
+        self._on_state("reloading")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights.real_path})
         self.llm.reset_prefix_cache()
         self._verify_live(weights)
         log.info("reloaded %s in place", weights.path)
 
     def _build(self, weights: Weights) -> None:
-        self.on_state("loading")
+        self._on_state("loading")
         self.close()
         from vllm import LLM
 
@@ -131,7 +166,6 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
         )
-        self.rebuilds += self.build_s > 0
         self.build_s = time.monotonic() - started
         self._verify_live(weights)
         log.info("engine built for %s in %.1f s", weights.path, self.build_s)
@@ -171,7 +205,7 @@ class VllmEngine:
         from vllm import SamplingParams
 
         first = requests[0]
-        reload_s = self.ensure_weights(first.weights_dir, first.weights_content_id)
+        load = self.load(first.weights_dir, first.weights_content_id)
         tokenizer = self.llm.get_tokenizer()
         max_len = self.llm.llm_engine.model_config.max_model_len
         vocab = self.weights.config.get("vocab_size") or len(tokenizer)
@@ -191,9 +225,9 @@ class VllmEngine:
             spans.append((len(prompts), len(ids_per_prompt)))
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
             params += [sampling] * len(ids_per_prompt)
-        self.on_state("generating")
+        self._on_state("generating")
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [_completion(outputs[start : start + count], reload_s) for start, count in spans]
+        return [_completion(outputs[start : start + count], load) for start, count in spans]
 
     def close(self) -> None:
         if self.llm is None:
@@ -210,7 +244,13 @@ class VllmEngine:
 def _torch_dtype(name: str):
     import torch
 
-    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}[name]
+    return {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }[name]
 
 
 def _load_tokenizer(weights: Weights):
@@ -221,18 +261,25 @@ def _load_tokenizer(weights: Weights):
 
     digest = hashlib.sha256()
     found = False
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt"):
+    for name in _TOKENIZER_FILES:
         path = os.path.join(weights.real_path, name)
         if os.path.exists(path):
             found = True
             with open(path, "rb") as f:
                 digest.update(name.encode() + b"\0" + f.read())
     if not found:
-        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"{weights.path} has no tokenizer files; save the tokenizer next to the weights")
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID,
+            f"weights_dir {weights.path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer next to the weights",
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(weights.real_path)
     except Exception as exc:
-        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"{weights.path}: the tokenizer does not load ({exc})") from None
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID,
+            f"weights_dir {weights.path}: the tokenizer does not load ({exc}); save it again with save_pretrained",
+        ) from None
     return tokenizer, digest.hexdigest()
 
 
@@ -242,14 +289,19 @@ def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: i
             raise RequestFailed(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt {i} has {len(ids)} tokens; with max_tokens {request.max_tokens} that exceeds the "
-                f"engine's limit of {max_len} tokens. Shorten the prompt or lower max_tokens",
+                f"engine's limit of {max_len} tokens. Shorten the prompt, lower max_tokens, or start the worker "
+                "with a larger --max-model-len",
             )
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestFailed(ErrorCode.INVALID_REQUEST, f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+            raise RequestFailed(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}; "
+                "tokenize with the tokenizer saved in weights_dir",
+            )
 
 
-def _completion(outputs, reload_s: float) -> Completion:
+def _completion(outputs, load: Load) -> Completion:
     texts, token_ids, logprobs, finish, prompt_ids = [], [], [], [], []
     for output in outputs:
         samples = sorted(output.outputs, key=lambda c: c.index)
@@ -258,10 +310,10 @@ def _completion(outputs, reload_s: float) -> Completion:
         logprobs.append([_sampled_logprobs(c) for c in samples])
         finish.append([c.finish_reason or "length" for c in samples])
         prompt_ids.append(list(output.prompt_token_ids))
-    return Completion(texts, token_ids, logprobs, finish, prompt_ids, reload_s=reload_s)
+    return Completion(texts, token_ids, logprobs, finish, prompt_ids, reload_s=load.seconds, reload_bytes=load.bytes)
 
 
 def _sampled_logprobs(sample) -> list[float]:
     if sample.logprobs is None:
         return []
-    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
