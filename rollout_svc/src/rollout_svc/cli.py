@@ -30,7 +30,6 @@ app = typer.Typer(
 log = logging.getLogger("rollout_svc")
 
 
-
 def _defaults(function) -> dict:
     """Keyword defaults of `function`, for the options that pass them on."""
     return {name: p.default for name, p in inspect.signature(function).parameters.items()}
@@ -69,9 +68,7 @@ def _usage_error(message: str) -> typer.Exit:
 def serve(
     spool: Annotated[Path, typer.Option(help="Spool directory; its layout is created if missing.")],
     engine: Annotated[str, typer.Option(help="'vllm', or 'echo' (no model; each completion is its prompt).")] = "vllm",
-    worker_id: Annotated[
-        str | None, typer.Option(help="Stable id, e.g. <host>-gpu0; default <host>-<pid>.")
-    ] = None,
+    worker_id: Annotated[str | None, typer.Option(help="Stable id, e.g. <host>-gpu0; default <host>-<pid>.")] = None,
     allowed_root: Annotated[
         list[Path] | None, typer.Option(help="Only serve weights under this directory (repeatable).")
     ] = None,
