@@ -1,7 +1,9 @@
 """Real rollout workers for end-to-end tests: processes, spools and tiny models.
 
-A vLLM engine takes tens of seconds to start on a CPU, so workers are shared per module and
-tests are written to run against a worker that has already served other requests.
+A vLLM engine takes tens of seconds to start on a CPU, so workers are shared per module
+(ServedWorker) and tests are written to run against a worker that has already served other
+requests. A test may stop or kill a shared worker: the next test that needs it gets it
+restarted (`keep_running`), so every test can run alone, first, last or in any order.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from protocol.spool import Spool
 
 BIN = Path(sys.executable).parent
 ENGINE_START_TIMEOUT_S = 420.0
+TESTS = Path(__file__).resolve().parent.parent
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))  # helpers shared with the other tiers (torn_reads)
 
 
 def start_worker(spool_dir: Path, worker_id: str, *args: str, log_dir: Path) -> subprocess.Popen:
@@ -37,7 +42,9 @@ def start_worker(spool_dir: Path, worker_id: str, *args: str, log_dir: Path) -> 
     )
 
 
-def wait_for_status(spool: Spool, worker_id: str, predicate, timeout_s: float, proc: subprocess.Popen | None = None) -> WorkerStatus:
+def wait_for_status(
+    spool: Spool, worker_id: str, predicate, timeout_s: float, proc: subprocess.Popen | None = None
+) -> WorkerStatus:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for _, status in spool.statuses():
@@ -47,6 +54,18 @@ def wait_for_status(spool: Spool, worker_id: str, predicate, timeout_s: float, p
             raise AssertionError(f"worker {worker_id} exited with {proc.returncode} before reaching the state")
         time.sleep(0.2)
     raise AssertionError(f"worker {worker_id} did not reach the state within {timeout_s} s")
+
+
+def poll(probe, until, timeout_s: float = 30.0, interval_s: float = 0.2):
+    """probe() again and again until until(value) holds or the deadline passes; returns the last
+    value, for the test to judge. For what a worker does just after a result appears (archiving
+    its claim, rewriting its metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if until(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
 
 
 def stop_worker(proc: subprocess.Popen, timeout_s: float = 90.0) -> int:
@@ -68,6 +87,63 @@ def kill_session(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+class ServedWorker:
+    """A `rollout-svc serve` process that the tests of a module share, and that any test may end
+    (stop, kill, or leave idle until it exits by itself).
+
+    Nothing runs until `keep_running` starts it; it starts again, under the same id and with the
+    same arguments, whenever a test needs it and finds it gone."""
+
+    def __init__(self, spool: Spool, worker_id: str, args: list[str], log_dir: Path):
+        self.spool = spool
+        self.worker_id = worker_id
+        self.args = args
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen | None = None
+        self.ready: WorkerStatus | None = None  # its status when its engine was first ready
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        self.proc = start_worker(self.spool.root, self.worker_id, *self.args, log_dir=self.log_dir)
+        self.ready = None
+
+    def wait_ready(self, timeout_s: float = ENGINE_START_TIMEOUT_S) -> WorkerStatus:
+        """Until this life (not an earlier one, whose status file may linger) is idle with weights."""
+        pid = self.proc.pid
+        self.ready = wait_for_status(
+            self.spool, self.worker_id, lambda s: s.pid == pid and s.state == "idle" and bool(s.weights_dir),
+            timeout_s, self.proc,
+        )  # fmt: skip
+        return self.ready
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait, as systemd does; None when it was never started."""
+        return None if self.proc is None else stop_worker(self.proc)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            kill_session(self.proc)
+            self.proc.wait(timeout=30)
+
+
+def keep_running(*workers: ServedWorker, attempts: int = 3) -> None:
+    """Start those of `workers` that are not running and wait until each is ready. They start
+    together (an engine start is slow); one that exits meanwhile (idle exit while another
+    was still starting) is started again, up to `attempts` rounds."""
+    for _ in range(attempts):
+        down = [w for w in workers if not w.running()]
+        if not down:
+            return
+        for w in down:
+            w.start()
+        for w in down:
+            w.wait_ready()
+    down = [w.worker_id for w in workers if not w.running()]
+    assert not down, f"workers {down} did not stay up in {attempts} starts; see their logs"
 
 
 def build_model(path: Path, **options) -> Path:

@@ -35,7 +35,9 @@ class Reference:
                     break
         return out
 
-    def token_logprobs(self, model_dir: Path, prompt_ids: list[int], generated: list[int], temperature: float) -> list[float]:
+    def token_logprobs(
+        self, model_dir: Path, prompt_ids: list[int], generated: list[int], temperature: float
+    ) -> list[float]:
         """log p(token) under softmax(logits / temperature), for each generated token."""
         import torch
 

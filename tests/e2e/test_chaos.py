@@ -34,14 +34,9 @@ from pathlib import Path
 import pytest
 
 from protocol.client import SpoolClient
-from protocol.messages import (
-    MessageError,
-    Request,
-    decode_request,
-    decode_result,
-    decode_status,
-)
+from protocol.messages import MessageError, Request, decode_result, decode_status
 from protocol.spool import Spool, split_claimed_name
+from torn_reads import TornReadReader
 
 LEASE_S = 3.0
 HEARTBEAT_S = 0.5
@@ -116,7 +111,9 @@ class Fleet:
             "--max-batch", str(self.rng.choice((8, 32, 64))), "--log-level", "WARNING",
         ]  # fmt: skip
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         life = Life(worker_id, proc, log)
         with self.lock:
             self.lives.append(life)
@@ -184,7 +181,9 @@ class Fleet:
 
     def running(self) -> list[Life]:
         with self.lock:
-            return [life for life in self.live.values() if life.proc.poll() is None and life.proc.pid not in self.paused]
+            return [
+                life for life in self.live.values() if life.proc.poll() is None and life.proc.pid not in self.paused
+            ]
 
     def stop_all(self, timeout: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every live worker and wait for a clean exit; their exit codes by id."""
@@ -220,40 +219,6 @@ class Fleet:
         while not want <= set(os.listdir(self.spool.workers)):
             assert time.monotonic() < deadline, f"workers {sorted(want)} did not start; see {self.log_dir}"
             time.sleep(0.05)
-
-
-class Reader(threading.Thread):
-    """Lists requests/, results/ and workers/ over and over and decodes every file there.
-
-    A file that vanishes between the listing and the read was moved (claimed, consumed): fine.
-    A file that does not decode was seen partial: a failure."""
-
-    def __init__(self, spool: Spool):
-        super().__init__(name="reader", daemon=True)
-        self.spool = spool
-        self.stop = threading.Event()
-        self.decoded = {"requests": 0, "results": 0, "workers": 0}
-        self.passes = 0
-        self.errors: list[str] = []
-
-    def run(self) -> None:
-        decoders = {"requests": decode_request, "results": decode_result, "workers": decode_status}
-        while not self.stop.is_set():
-            for state, decode in decoders.items():
-                directory = getattr(self.spool, state)
-                for name in os.listdir(directory):
-                    try:
-                        data = (directory / name).read_bytes()
-                    except FileNotFoundError:
-                        continue
-                    try:
-                        decode(data)
-                    except MessageError as exc:
-                        self.errors.append(f"{state}/{name} ({len(data)} bytes): {exc}")
-                        continue
-                    self.decoded[state] += 1
-            self.passes += 1
-            self.stop.wait(0.02)
 
 
 class ClaimCounter(threading.Thread):
@@ -357,7 +322,7 @@ def test_chaos_kill_workers_while_producing(tmp_path):
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     fleet = Fleet(spool, log_dir, rng)
-    reader = Reader(spool)
+    reader = TornReadReader(spool, pause_s=0.02)
     counter = ClaimCounter(spool)
     producers: list[Producer] = []
     figures = {"kills": 0, "restart_same_id": 0, "restart_new_id": 0, "double_kills": 0, "pauses": 0}
@@ -436,9 +401,7 @@ def test_chaos_kill_workers_while_producing(tmp_path):
         assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
         assert set(fleet.exit_codes) <= {1}, f"workers exited by themselves with {fleet.exit_codes}"
 
-        reader.stop.set()
-        reader.join(timeout=30)
-        assert not reader.is_alive()
+        reader.finish(timeout_s=30)
         counter.stop.set()
         counter.join(timeout=30)
         assert not reader.errors, f"partial or corrupt files seen: {reader.errors[:5]}"
@@ -508,7 +471,7 @@ def test_chaos_kill_workers_while_producing(tmp_path):
         assert figures["kills"] >= MIN_KILLS, f"only {figures['kills']} kills: chaos too short to mean much"
     finally:
         chaos_stop.set()
-        reader.stop.set()
+        reader.stopping.set()
         counter.stop.set()
         fleet.cleanup()
         if chaos_thread.is_alive():

@@ -139,7 +139,8 @@ def _run_two(target, root: Path, items: list[str]) -> dict[str, list[str]]:
         procs[worker_id], pipes[worker_id] = p, parent
     try:
         won = {w: pipes[w].recv() if pipes[w].poll(60) else None for w in procs}
-        assert None not in won.values(), f"a racer did not report: {won}, exit codes {[p.exitcode for p in procs.values()]}"
+        codes = [p.exitcode for p in procs.values()]
+        assert None not in won.values(), f"a racer did not report: {won}, exit codes {codes}"
         for p in procs.values():
             p.join(timeout=10)
             assert p.exitcode == 0

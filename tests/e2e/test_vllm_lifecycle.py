@@ -1,5 +1,9 @@
 """Two real vLLM workers: one is SIGKILLed mid-generation and the other finishes its request
-after the lease; then the survivor exits by itself when idle and leaves no process behind."""
+after the lease; an idle worker exits by itself and leaves no process behind.
+
+The workers are shared by the module; each test starts again those it needs that an earlier
+test (a kill, an idle exit) ended, so the tests run in any order and alone.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ENGINE_START_TIMEOUT_S, kill_session, start_worker, wait_for_status
+from conftest import ServedWorker, keep_running, poll
 from protocol.messages import Request
 from protocol.spool import Spool
 
@@ -21,26 +25,39 @@ WORKERS = ("e2e-life-a", "e2e-life-b")
 
 
 @pytest.fixture(scope="module")
-def pair(models, tmp_path_factory):
+def fleet(models, tmp_path_factory):
+    """The module's spool and its two workers, started by the tests that need them."""
     base = tmp_path_factory.mktemp("vllm-pair")
     spool = Spool(base / "spool", create=True)
-    procs = {
-        worker_id: start_worker(
-            spool.root, worker_id,
-            "--engine", "vllm", "--allowed-root", str(models["root"]), "--weights", str(models["a"]),
-            "--max-model-len", "256", "--lease", str(LEASE_S), "--heartbeat", "1", "--idle-exit", str(IDLE_EXIT_S),
-            log_dir=base,
-        )
-        for worker_id in WORKERS
-    }
+    args = [
+        "--engine", "vllm", "--allowed-root", str(models["root"]), "--weights", str(models["a"]),
+        "--max-model-len", "256", "--lease", str(LEASE_S), "--heartbeat", "1", "--idle-exit", str(IDLE_EXIT_S),
+    ]  # fmt: skip
+    workers = {worker_id: ServedWorker(spool, worker_id, args, log_dir=base) for worker_id in WORKERS}
     try:
-        for worker_id, proc in procs.items():
-            wait_for_status(spool, worker_id, lambda s: s.state == "idle" and s.weights_dir, ENGINE_START_TIMEOUT_S, proc)
-        yield spool, procs
+        yield spool, workers
     finally:
-        for proc in procs.values():
-            kill_session(proc)
-            proc.wait(timeout=30)
+        for worker in workers.values():
+            worker.kill()
+
+
+@pytest.fixture
+def pair(fleet):
+    """Both workers running and ready, whatever earlier tests did to them."""
+    spool, workers = fleet
+    keep_running(*workers.values())
+    return spool, workers
+
+
+@pytest.fixture
+def idle_workers(fleet) -> tuple[Spool, list[ServedWorker]]:
+    """The workers running now (the survivor of a kill, say), or a freshly started one."""
+    spool, workers = fleet
+    running = [w for w in workers.values() if w.running()]
+    if not running:
+        running = [workers[WORKERS[0]]]
+        keep_running(*running)
+    return spool, running
 
 
 def session_processes(session_id: int) -> list[int]:
@@ -56,7 +73,7 @@ def session_processes(session_id: int) -> list[int]:
 
 
 def test_a_worker_killed_mid_generation_is_replaced_after_the_lease(pair, models, client_for):
-    spool, procs = pair
+    spool, workers = pair
     client = client_for(spool.root)
     request = Request(
         request_id=f"killed-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="] * 32,
@@ -71,24 +88,26 @@ def test_a_worker_killed_mid_generation_is_replaced_after_the_lease(pair, models
                 victim = status.worker_id
         time.sleep(0.05)
     assert victim is not None, "no worker started generating the request"
-    os.killpg(procs[victim].pid, signal.SIGKILL)  # the worker and its engine process
-    procs[victim].wait(timeout=30)
+    os.killpg(workers[victim].proc.pid, signal.SIGKILL)  # the worker and its engine process
+    workers[victim].proc.wait(timeout=30)
     survivor = next(w for w in WORKERS if w != victim)
 
     result = client.wait([request.request_id], timeout_s=600)[request.request_id]
     assert result.ok and result.worker_id == survivor
     assert len(result.texts) == 32 and all(len(samples) == 8 for samples in result.texts)
-    assert os.listdir(spool.claimed) == [] and os.listdir(spool.requests) == []
+    # The survivor archives its claim just after it publishes the result.
+    left = poll(lambda: os.listdir(spool.claimed) + os.listdir(spool.requests), until=lambda names: not names)
+    assert left == []
 
 
-def test_an_idle_worker_exits_by_itself_and_frees_the_device(pair):
-    spool, procs = pair
-    (survivor,) = [w for w, p in procs.items() if p.poll() is None]
-    proc = procs[survivor]
-    assert proc.wait(timeout=IDLE_EXIT_S + 120) == 0
-    assert not (spool.workers / f"{survivor}.json").exists()
-    # The engine runs in child processes of the worker; none may outlive it.
-    deadline = time.monotonic() + 30
-    while session_processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert session_processes(proc.pid) == []
+def test_an_idle_worker_exits_by_itself_and_frees_the_device(idle_workers):
+    spool, running = idle_workers
+    for worker in running:
+        proc = worker.proc
+        assert proc.wait(timeout=IDLE_EXIT_S + 120) == 0
+        assert not spool.status_path(worker.worker_id).exists()
+        # The engine runs in child processes of the worker; none may outlive it.
+        deadline = time.monotonic() + 30
+        while session_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert session_processes(proc.pid) == []

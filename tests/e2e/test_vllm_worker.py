@@ -1,11 +1,14 @@
 """One real vLLM worker (CPU build) on tiny models, through the real spool.
 
 Generation, logprobs against transformers, in-place reload, rebuild on an architecture change,
-bad weights, bad prompts, the metrics textfile, and (last) SIGTERM while generating.
+bad weights, bad prompts, the metrics textfile, and SIGTERM while generating. The worker is
+shared by the module; a test that finds it stopped (the SIGTERM test stops it) starts it again,
+so the tests run in any order and alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -13,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ENGINE_START_TIMEOUT_S, start_worker, stop_worker, wait_for_status
+from conftest import ServedWorker, keep_running, poll, stop_worker, wait_for_status
 from protocol.messages import ErrorCode, Request
 from protocol.spool import Spool
 
@@ -24,18 +27,22 @@ MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def worker(models, tmp_path_factory):
+def served(models, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-worker")
-    spool = Spool(base / "spool", create=True)
-    proc = start_worker(
-        spool.root, WORKER,
+    args = [
         "--engine", "vllm", "--allowed-root", str(models["root"]), "--weights", str(models["a"]),
         "--max-model-len", str(MAX_MODEL_LEN), "--idle-exit", "1800", "--metrics-dir", str(base / "metrics"),
-        log_dir=base,
-    )
-    status = wait_for_status(spool, WORKER, lambda s: s.state == "idle" and s.weights_dir, ENGINE_START_TIMEOUT_S, proc)
-    yield {"spool": spool, "proc": proc, "base": base, "build_s": status.engine_build_s}
-    stop_worker(proc)
+    ]  # fmt: skip
+    served = ServedWorker(Spool(base / "spool", create=True), WORKER, args, log_dir=base)
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+def worker(served):
+    """The module's worker, running and ready: started again if an earlier test stopped it."""
+    keep_running(served)
+    return {"spool": served.spool, "proc": served.proc, "base": served.log_dir, "build_s": served.ready.engine_build_s}
 
 
 _ids = iter(range(10**6))
@@ -43,7 +50,8 @@ _ids = iter(range(10**6))
 
 def ask(client, weights_dir, prompts=("12+7=", "Hello"), **fields):
     fields = dict(n_samples_per_prompt=1, max_tokens=12, temperature=0.0) | fields
-    request = Request(request_id=f"t{next(_ids)}-{time.time_ns()}", weights_dir=str(weights_dir), prompts=list(prompts), **fields)
+    request_id = f"t{next(_ids)}-{time.time_ns()}"
+    request = Request(request_id=request_id, weights_dir=str(weights_dir), prompts=list(prompts), **fields)
     client.submit(request)
     return client.wait([request.request_id], timeout_s=600)[request.request_id]
 
@@ -61,7 +69,8 @@ def test_generation_shapes_ids_texts_and_logprobs(worker, models, client_for, re
             assert 1 <= len(sample_ids) <= 10 and len(sample_logprobs) == len(sample_ids)
             assert tokenizer.decode(sample_ids, skip_special_tokens=True) == text
             assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample_logprobs)
-            assert reason in ("stop", "length") and (reason == "length") == (len(sample_ids) == 10 and sample_ids[-1] != tokenizer.eos_token_id)
+            cut = len(sample_ids) == 10 and sample_ids[-1] != tokenizer.eos_token_id
+            assert reason in ("stop", "length") and (reason == "length") == cut
     assert result.weights_dir == str(models["a"]) and result.weights_content_id and result.engine.startswith("vllm")
     assert result.timings.generate_s > 0
 
@@ -76,14 +85,18 @@ def test_prompts_as_token_ids_give_the_same_greedy_output(worker, models, client
 def test_sampling_logprobs_agree_with_transformers(worker, models, client_for, reference):
     client = client_for(worker["spool"].root)
     temperature = 0.8
-    result = ask(client, models["a"], ["12+7=", "Hello", "abc"], n_samples_per_prompt=4, max_tokens=16, temperature=temperature, seed=3)
+    result = ask(
+        client, models["a"], ["12+7=", "Hello", "abc"], n_samples_per_prompt=4, max_tokens=16,
+        temperature=temperature, seed=3,
+    )  # fmt: skip
     assert result.ok
     diffs = []
     for prompt_ids, samples, logprobs in zip(result.prompt_token_ids, result.token_ids, result.logprobs):
         for sample_ids, sample_logprobs in zip(samples, logprobs):
             expected = reference.token_logprobs(models["a"], prompt_ids, sample_ids, temperature)
             diffs += [abs(a - b) for a, b in zip(sample_logprobs, expected)]
-    print(f"\nlogprob |vLLM - transformers| over {len(diffs)} tokens: max {max(diffs):.2e}, mean {sum(diffs) / len(diffs):.2e}")
+    mean = sum(diffs) / len(diffs)
+    print(f"\nlogprob |vLLM - transformers| over {len(diffs)} tokens: max {max(diffs):.2e}, mean {mean:.2e}")
     assert max(diffs) < 1e-3
 
 
@@ -175,12 +188,19 @@ def test_bad_weights_get_error_results_and_the_worker_keeps_serving(worker, mode
 
 def test_a_prompt_too_long_fails_alone(worker, models, client_for):
     client = client_for(worker["spool"].root)
-    long_request = Request(request_id=f"long-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["x" * 300], n_samples_per_prompt=1, max_tokens=8, temperature=0.0)
-    fine_request = Request(request_id=f"fine-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="], n_samples_per_prompt=2, max_tokens=8, temperature=1.0)
+    long_request = Request(
+        request_id=f"long-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["x" * 300],
+        n_samples_per_prompt=1, max_tokens=8, temperature=0.0,
+    )  # fmt: skip
+    fine_request = Request(
+        request_id=f"fine-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="],
+        n_samples_per_prompt=2, max_tokens=8, temperature=1.0,
+    )  # fmt: skip
     client.submit_many([long_request, fine_request])  # one engine call, then each alone
     results = client.wait([long_request.request_id, fine_request.request_id], timeout_s=600)
     long_result, fine_result = results[long_request.request_id], results[fine_request.request_id]
-    assert long_result.error.code == ErrorCode.PROMPT_TOO_LONG and f"limit of {MAX_MODEL_LEN}" in long_result.error.message
+    assert long_result.error.code == ErrorCode.PROMPT_TOO_LONG
+    assert f"limit of {MAX_MODEL_LEN}" in long_result.error.message
     assert fine_result.ok and len(fine_result.texts[0]) == 2
 
 
@@ -190,24 +210,47 @@ def test_expected_content_id_guards_against_a_replaced_directory(worker, models,
     assert result.error.code == ErrorCode.WEIGHTS_INVALID and "content id" in result.error.message
 
 
-def test_metrics_textfile_counts_requests_and_errors(worker):
-    text = (worker["base"] / "metrics" / f"rollout_svc_{WORKER}.prom").read_text()
-    assert 'rollout_requests_total{outcome="ok",worker="e2e-vllm"}' in text
-    assert 'rollout_errors_total{code="weights_invalid",worker="e2e-vllm"}' in text
+def test_metrics_textfile_counts_requests_and_errors(worker, models, client_for):
+    client = client_for(worker["spool"].root)
+    assert ask(client, models["a"]).ok
+    assert ask(client, models["a"], weights_content_id="some-other-checkpoint").error.code == ErrorCode.WEIGHTS_INVALID
+    path = worker["base"] / "metrics" / f"rollout_svc_{WORKER}.prom"
+    counters = [
+        f'rollout_requests_total{{outcome="ok",worker="{WORKER}"}}',
+        f'rollout_errors_total{{code="weights_invalid",worker="{WORKER}"}}',
+    ]
+    # The worker rewrites the file on each turn of its loop: soon after it published the results.
+    text = poll(lambda: path.read_text() if path.exists() else "", until=lambda text: all(c in text for c in counters))
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("rollout_"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert all(values.get(c, 0) >= 1 for c in counters), (counters, text)
     assert "rollout_reload_seconds" in text and "rollout_queue_depth" in text
 
 
 def test_sigterm_while_generating_loses_nothing(worker, models, client_for):
-    """Last in this module: it stops the shared worker."""
+    """It stops the shared worker; the next test that needs one starts it again."""
     spool, proc = worker["spool"], worker["proc"]
     client = client_for(spool.root)
-    request = Request(request_id=f"slow-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="] * 32, n_samples_per_prompt=8, max_tokens=200, temperature=1.0, seed=1)
+    request = Request(
+        request_id=f"slow-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="] * 32,
+        n_samples_per_prompt=8, max_tokens=200, temperature=1.0, seed=1,
+    )  # fmt: skip
     client.submit(request)
-    wait_for_status(spool, WORKER, lambda s: s.state == "generating" and s.current_request == request.request_id, 120, proc)
-    assert stop_worker(proc) == 0
-    result = spool.read_result(request.request_id)
-    if result is not None:  # finished within the stop grace
-        assert result.ok and len(result.texts) == 32
-    else:  # or given back, whole, for another worker
-        assert (spool.requests / f"{request.request_id}.json").exists()
-    assert os.listdir(spool.claimed) == [] and not (spool.workers / f"{WORKER}.json").exists()
+    try:
+        wait_for_status(
+            spool, WORKER, lambda s: s.state == "generating" and s.current_request == request.request_id, 120, proc
+        )
+        assert stop_worker(proc) == 0
+        result = spool.read_result(request.request_id)
+        if result is not None:  # finished within the stop grace
+            assert result.ok and len(result.texts) == 32
+        else:  # or given back, whole, for another worker
+            assert spool.request_path(request.request_id).exists()
+        assert os.listdir(spool.claimed) == [] and not spool.status_path(WORKER).exists()
+    finally:
+        # Given back, it would keep the worker's next life busy for the tests after this one.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool.request_path(request.request_id))
