@@ -264,10 +264,16 @@ names = st.builds(
 )
 
 
-@given(names, st.booleans(), names.filter(lambda n: " " not in n))
+@given(names, st.booleans(), names.filter(is_valid_worker_id))
 def test_claimed_name_round_trip(stem, with_json, worker_id):
     name = stem + ".json" if with_json else stem
     assert split_claimed_name(claimed_name(name, worker_id)) == (name, worker_id)
+
+
+def test_worker_ids_that_would_make_claimed_names_ambiguous_are_refused():
+    # "a" claimed by "a.json" would be named as "a.json" claimed by "a"
+    assert claimed_name("a", "a.json") == claimed_name("a.json", "a")
+    assert not is_valid_worker_id("a.json") and is_valid_worker_id("a.json.1") and is_valid_worker_id("a")
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from .spool import STATES, Spool, split_claimed_name
+from .spool import STATES, Spool, name_for_id, split_claimed_name
 
 
 class RequeueError(RuntimeError):
@@ -53,21 +53,21 @@ def requeue_request(spool: Spool, request_id: str, *, force: bool = False) -> os
     already published is archived first as done/<id>.result.superseded-<time>.json, otherwise
     the worker would see the old result and skip the request.
     """
-    target = spool.requests / f"{request_id}.json"
+    target = spool.request_path(request_id)
     if os.path.lexists(target):
         raise RequeueError(f"{request_id} is already waiting in requests/")
     live = {w.worker_id for w in spool.live_workers()}
     source = None
     for entry in spool.entries("claimed"):
         original, worker_id = split_claimed_name(entry.name)
-        if original == f"{request_id}.json":
+        if original == name_for_id(request_id):
             if worker_id in live and not force:
                 raise RequeueError(
                     f"{request_id} is being served by live worker {worker_id}; wait for its result, "
                     "or pass --force to take it back"
                 )
             source = entry.path
-    for candidate in (spool.bad / f"{request_id}.json", spool.done / f"{request_id}.request.json"):
+    for candidate in (spool.bad_path(name_for_id(request_id)), spool.archived_request_path(request_id)):
         if source is None and os.path.lexists(candidate):
             source = candidate
     if source is None:
@@ -76,7 +76,7 @@ def requeue_request(spool: Spool, request_id: str, *, force: bool = False) -> os
             "submit it again instead"
         )
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    for old in (spool.results / f"{request_id}.json", spool.done / f"{request_id}.result.json"):
+    for old in (spool.result_path(request_id), spool.consumed_result_path(request_id)):
         if os.path.lexists(old):
             os.rename(old, spool.done / f"{request_id}.result.superseded-{stamp}.json")
     os.rename(source, target)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .messages import Request, Result
-from .spool import DEFAULT_LEASE_S, Spool, split_claimed_name
+from .spool import DEFAULT_LEASE_S, Spool, id_from_name, name_for_id, split_claimed_name
 from .watch import Waker
 
 
@@ -107,7 +107,7 @@ class SpoolClient:
                 candidates = list(pending)
             else:
                 published = set(os.listdir(self.spool.results))
-                candidates = [i for i in pending if f"{i}.json" in published]
+                candidates = [i for i in pending if name_for_id(i) in published]
             for request_id in candidates:
                 result = self.spool.read_result(request_id)
                 if result is not None:
@@ -157,12 +157,12 @@ class SpoolClient:
         claimed = {}
         for entry in self.spool.entries("claimed"):
             original, worker_id = split_claimed_name(entry.name)
-            claimed[original.removesuffix(".json")] = worker_id
+            claimed[id_from_name(original)] = worker_id
         parts = []
         for request_id in request_ids[:limit]:
             if request_id in claimed:
                 parts.append(f"{request_id} (claimed by {claimed[request_id]})")
-            elif (self.spool.requests / f"{request_id}.json").exists():
+            elif self.spool.request_path(request_id).exists():
                 parts.append(f"{request_id} (queued)")
             else:
                 parts.append(f"{request_id} (not in the spool)")

@@ -20,10 +20,11 @@ SCHEMA_VERSION = 1
 
 # Ids name files, so they are restricted to a portable file-name alphabet. '@' is reserved: the
 # spool uses it to join a request id and a worker id in `claimed/`, and the two lengths keep
-# that name under the usual 255-byte limit. `\Z`, not `$`: `$` also matches before a final
-# newline.
+# that name under the usual 255-byte limit. A worker id may not end in ".json": `x` claimed by
+# worker `y.json` would be named as `x.json` claimed by `y`. `\Z`, not `$`: `$` also matches
+# before a final newline.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
-WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z"
+WORKER_ID_PATTERN = r"^(?!.*\.json\Z)[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z"
 _ID_RE = re.compile(ID_PATTERN)
 _WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
 
@@ -146,7 +147,9 @@ class Result(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cls(request_id=request_id, ok=False, error=Error(code, message), **fields)
 
 
-WorkerState = Literal["starting", "loading", "idle", "generating", "reloading", "stopping"]
+# sleeping: the engine's weights and KV cache are freed (a GPU shared with a trainer); the next
+# request wakes it and reloads weights first.
+WorkerState = Literal["starting", "loading", "idle", "sleeping", "generating", "reloading", "stopping"]
 
 
 class WorkerCounters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
