@@ -25,7 +25,14 @@ runner = CliRunner()
 
 
 def request(request_id: str, **overrides) -> Request:
-    fields = dict(request_id=request_id, weights_dir="/models/m", prompts=["2+2="], n_samples_per_prompt=1, max_tokens=4, temperature=0.0)
+    fields = dict(
+        request_id=request_id,
+        weights_dir="/models/m",
+        prompts=["2+2="],
+        n_samples_per_prompt=1,
+        max_tokens=4,
+        temperature=0.0,
+    )
     return Request(**(fields | overrides))
 
 
@@ -41,8 +48,17 @@ def spool(tmp_path):
 
 def write_status(spool: Spool, worker_id: str, *, age_s: float = 0.0, lease_s: float = 30.0, state="idle"):
     now = time.time()
-    status = WorkerStatus(worker_id=worker_id, pid=123, host="h", device="cpu", engine="echo", state=state,
-                          lease_s=lease_s, started_at=now, heartbeat_at=now)
+    status = WorkerStatus(
+        worker_id=worker_id,
+        pid=123,
+        host="h",
+        device="cpu",
+        engine="echo",
+        state=state,
+        lease_s=lease_s,
+        started_at=now,
+        heartbeat_at=now,
+    )
     spool.write_status(status)
     path = spool.workers / f"{worker_id}.json"
     os.utime(path, (now - age_s, now - age_s))
@@ -51,7 +67,9 @@ def write_status(spool: Spool, worker_id: str, *, age_s: float = 0.0, lease_s: f
 def test_init_creates_the_layout(tmp_path):
     result = runner.invoke(app, ["init", str(tmp_path / "s")])
     assert result.exit_code == 0
-    assert sorted(os.listdir(tmp_path / "s")) == sorted(["tmp", "requests", "claimed", "results", "done", "bad", "workers"])
+    assert sorted(os.listdir(tmp_path / "s")) == sorted(
+        ["tmp", "requests", "claimed", "results", "done", "bad", "workers"]
+    )
 
 
 def test_a_directory_that_is_not_a_spool_is_named_with_the_fix(tmp_path):
@@ -146,7 +164,9 @@ def test_prune_removes_only_old_entries(spool):
     assert os.listdir(spool.done) == [] and os.listdir(spool.tmp) == []
 
 
-@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("7d", 604800), ("1.5h", 5400)])
+@pytest.mark.parametrize(
+    "text, seconds", [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("7d", 604800), ("1.5h", 5400)]
+)
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -159,7 +179,12 @@ def test_parse_duration_refuses_nonsense():
 
 
 def test_format_age():
-    assert format_age(5) == "5.0s" and format_age(120) == "2.0m" and format_age(7200) == "2.0h" and format_age(2 * 86400) == "2.0d"
+    assert (
+        format_age(5) == "5.0s"
+        and format_age(120) == "2.0m"
+        and format_age(7200) == "2.0h"
+        and format_age(2 * 86400) == "2.0d"
+    )
 
 
 # -- rollout-svc ---------------------------------------------------------------------------------
@@ -200,8 +225,38 @@ def test_serve_exits_with_the_workers_code(tmp_path, served):
 def test_serve_vllm_options_default_to_the_engines_own():
     options = inspect.signature(rollout_cli.serve).parameters
     engine = inspect.signature(VllmEngine).parameters
-    for name in ("dtype", "max_model_len", "kv_cache_gib", "gpu_memory_utilization", "seed"):
+    for name in ("dtype", "max_model_len", "kv_cache_gib", "gpu_memory_utilization", "enforce_eager", "seed"):
         assert options[name].default == engine[name].default, name
+
+
+def test_serve_passes_sleep_when_idle_to_the_worker(tmp_path, served):
+    result = rollout_svc(
+        "serve", "--spool", str(tmp_path / "s"), "--engine", "echo", "--worker-id", "w1", "--sleep-when-idle", "30"
+    )
+    assert result.exit_code == exit_codes.OK, result.output
+    assert served.configs == [WorkerConfig(worker_id="w1", sleep_when_idle_s=30.0)]
+
+
+def test_serve_refuses_sleep_on_cpu_naming_the_option(tmp_path, served, monkeypatch):
+    monkeypatch.setattr(rollout_cli, "_device", lambda engine: "cpu")
+    result = rollout_svc("serve", "--spool", str(tmp_path / "s"), "--engine", "vllm", "--sleep-when-idle", "30")
+    assert result.exit_code == exit_codes.USAGE
+    assert "--sleep-when-idle" in result.output and "CPU build" in result.output and served.configs == []
+
+
+def test_vllm_cpu_build_has_no_sleep_mode(tmp_path):
+    """Why sleep is refused on CPU: the installed vLLM refuses it there. When a vLLM CPU build
+    accepts it, this fails, and VllmEngine's refusal should go."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from rollout_svc.tiny_model import build
+
+    if not current_platform.is_cpu():
+        pytest.fail("this venv's vLLM is not its CPU build; the unit tier runs on CPU machines")
+    model = build(tmp_path / "m")
+    with pytest.raises(Exception, match="Sleep mode is not supported"):
+        EngineArgs(model=str(model), enable_sleep_mode=True, max_model_len=64).create_engine_config()
 
 
 @pytest.mark.parametrize(
@@ -211,6 +266,8 @@ def test_serve_vllm_options_default_to_the_engines_own():
         (["--engine", "nope"], "--engine"),
         (["--worker-id", "a b"], "--worker-id"),
         (["--allowed-root", "/does/not/exist"], "--allowed-root"),
+        (["--sleep-level", "3"], "--sleep-level"),
+        (["--sleep-when-idle", "-1"], "--sleep-when-idle"),
     ],
 )
 def test_serve_refusals_name_the_option_and_exit_usage(tmp_path, served, args, named):

@@ -29,6 +29,11 @@ FAMILIES = {
     "rollout_requests",
     "rollout_errors",
     "rollout_reloads",
+    "rollout_asleep",
+    "rollout_sleeps",
+    "rollout_sleep_seconds",
+    "rollout_wakes",
+    "rollout_wake_seconds",
 }
 
 
@@ -60,8 +65,18 @@ def test_a_fresh_file_parses_with_every_family_at_zero(tmp_path):
     metrics.write(WorkerCounters(), Tally())
     assert families(metrics.path) == FAMILIES
     parsed = parse(metrics.path)
-    for name in ("rollout_queue_depth", "rollout_tokens_per_second", "rollout_reload_seconds",
-                 "rollout_generated_tokens_total", "rollout_reloads_total"):
+    for name in (
+        "rollout_queue_depth",
+        "rollout_tokens_per_second",
+        "rollout_reload_seconds",
+        "rollout_generated_tokens_total",
+        "rollout_reloads_total",
+        "rollout_asleep",
+        "rollout_sleeps_total",
+        "rollout_sleep_seconds",
+        "rollout_wakes_total",
+        "rollout_wake_seconds",
+    ):
         assert value(parsed, name, worker="w1") == 0.0, name
     assert not any(name in ("rollout_requests_total", "rollout_errors_total") for name, _ in parsed)
 
@@ -94,6 +109,19 @@ def test_the_file_shows_the_counts_it_is_given_and_nothing_else(tmp_path):
     tally.queue_depth = 0
     metrics.write(counters, tally)
     assert value(parse(metrics.path), "rollout_queue_depth", worker="w1") == 0
+
+
+def test_sleeps_and_wakes_are_shown_with_their_seconds(tmp_path):
+    metrics = Metrics(tmp_path, "w1")
+    metrics.write(WorkerCounters(), Tally(asleep=True, sleeps=3, sleep_s=0.75, wakes=2, wake_s=1.5))
+    parsed = parse(metrics.path)
+    assert value(parsed, "rollout_asleep", worker="w1") == 1
+    assert value(parsed, "rollout_sleeps_total", worker="w1") == 3
+    assert value(parsed, "rollout_sleep_seconds", worker="w1") == 0.75
+    assert value(parsed, "rollout_wakes_total", worker="w1") == 2
+    assert value(parsed, "rollout_wake_seconds", worker="w1") == 1.5
+    metrics.write(WorkerCounters(), Tally(asleep=False))
+    assert value(parse(metrics.path), "rollout_asleep", worker="w1") == 0
 
 
 def test_two_workers_in_one_directory_keep_separate_files(tmp_path):
@@ -154,8 +182,13 @@ def serve_with_metrics(monkeypatch):
     monkeypatch.setattr(
         worker_module,
         "signal",
-        types.SimpleNamespace(SIGTERM=signal.SIGTERM, SIGINT=signal.SIGINT, SIGALRM=signal.SIGALRM,
-                              signal=lambda *args: None, alarm=lambda seconds: 0),
+        types.SimpleNamespace(
+            SIGTERM=signal.SIGTERM,
+            SIGINT=signal.SIGINT,
+            SIGALRM=signal.SIGALRM,
+            signal=lambda *args: None,
+            alarm=lambda seconds: 0,
+        ),
     )
     running = []
 
@@ -197,7 +230,7 @@ def test_a_worker_counts_a_good_and_a_bad_request(spool, make_request, wait_for,
 
     parsed = wait_for(counted, what="ok=1 and error=1 in the textfile")
     assert value(parsed, "rollout_errors_total", worker="w1", code="bad_json") == 1
-    assert [dict(l)["code"] for n, l in parsed if n == "rollout_errors_total"] == ["bad_json"]
+    assert [dict(labels)["code"] for n, labels in parsed if n == "rollout_errors_total"] == ["bad_json"]
     assert value(parsed, "rollout_generated_tokens_total", worker="w1") == 10  # 2 samples x 5 tokens
     assert value(parsed, "rollout_tokens_per_second", worker="w1") > 0
     assert value(parsed, "rollout_reloads_total", worker="w1") == 0  # echo never reloads

@@ -41,7 +41,7 @@ class Listener:
                 pytest.fail(f"no {what} within {timeout} s; received {[m for _, m in got]}")
             try:
                 message = self.next(left)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             got.append((time.monotonic(), message))
             if predicate(message, got):
@@ -188,8 +188,20 @@ def start_worker(tmp_path, socket_path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     env.update(NOTIFY_SOCKET=str(socket_path), WATCHDOG_USEC="1000000")
     command = [
-        str(executable), "serve", "--spool", str(tmp_path / "spool"), "--engine", "echo",
-        "--heartbeat", "0.5", "--lease", "3", "--idle-exit", "0", "--worker-id", "notify-test",
+        str(executable),
+        "serve",
+        "--spool",
+        str(tmp_path / "spool"),
+        "--engine",
+        "echo",
+        "--heartbeat",
+        "0.5",
+        "--lease",
+        "3",
+        "--idle-exit",
+        "0",
+        "--worker-id",
+        "notify-test",
     ]
     with open(tmp_path / "worker.log", "wb") as log:
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -36,7 +36,10 @@ def names(entries) -> list[str]:
     return [e.name for e in entries]
 
 
-def pick(spool: Spool, loaded=None, now=BASE + 10, limits: Limits = Limits(), scheduler=None):
+DEFAULT_LIMITS = Limits()
+
+
+def pick(spool: Spool, loaded=None, now=BASE + 10, limits: Limits = DEFAULT_LIMITS, scheduler=None):
     scheduler = scheduler or Scheduler(spool, limits)
     return names(scheduler.pick(spool.pending(), loaded, now=now))
 

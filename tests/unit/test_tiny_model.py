@@ -100,7 +100,11 @@ def test_the_tokenizer_is_fast_with_the_special_tokens(tokenizer):
 
     assert tokenizer.is_fast and isinstance(tokenizer, PreTrainedTokenizerFast)
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (
-        PAD_ID, BOS_ID, EOS_ID, UNK_ID)
+        PAD_ID,
+        BOS_ID,
+        EOS_ID,
+        UNK_ID,
+    )
     assert tokenizer.convert_ids_to_tokens(list(range(4))) == SPECIAL_TOKENS
     assert len(tokenizer) == len(SPECIAL_TOKENS) + len(CHARACTERS) <= vocab_size()
 
@@ -118,7 +122,7 @@ def test_every_printable_ascii_character_is_one_token_and_round_trips(tokenizer)
 
 
 def test_the_tokenizer_adds_no_special_tokens_and_keeps_spaces(tokenizer):
-    text = "  Hello ,  world !\n\n x = [1, 2] ; y's \"ok\" "
+    text = '  Hello ,  world !\n\n x = [1, 2] ; y\'s "ok" '
     ids = tokenizer(text)["input_ids"]
     assert len(ids) == len(text)
     assert tokenizer.decode(ids) == text
@@ -207,3 +211,20 @@ def test_a_build_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):
         build(tmp_path / "m", layers=1, hidden=64, intermediate=64)
     assert os.listdir(tmp_path) == []
 
+
+def test_a_tokenizer_filled_to_a_vocabulary_decodes_every_id_and_encodes_as_before(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    tiny_model.write_tokenizer(tmp_path, max_positions=64, vocab_size=1000)
+    filled = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(filled) == 1000
+    text = "12+7= Hello, world!"
+    assert filled(text)["input_ids"] == tokenizer(text)["input_ids"]
+    fillers = list(range(len(tokenizer), 1000))
+    assert filled.decode(fillers[:2]) == f"<|{fillers[0]}|><|{fillers[1]}|>"
+    assert all(filled.convert_ids_to_tokens(i) is not None for i in fillers)
+
+
+def test_a_vocabulary_smaller_than_the_characters_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size 10 is below"):
+        tiny_model.write_tokenizer(tmp_path, max_positions=64, vocab_size=10)

@@ -94,6 +94,33 @@ class LoadingEngine(RecordingEngine):
         return completions
 
 
+class SleepyEngine(RecordingEngine):
+    """The echo engine with a sleep: it counts its sleeps, and a call made while it sleeps wakes it
+    first (reporting "reloading" and taking `WAKE_S`) and records that it was asleep."""
+
+    WAKE_S = 0.05
+
+    def __init__(self, sleep_fails: Exception | None = None):
+        super().__init__()
+        self.sleep_fails = sleep_fails
+        self.sleeps = 0
+        self.asleep_at_call: list[bool] = []
+
+    def sleep(self) -> float:
+        if self.sleep_fails is not None:
+            raise self.sleep_fails
+        self.sleeps += 1
+        self.asleep = True
+        return 0.01
+
+    def generate(self, requests):
+        self.asleep_at_call.append(self.asleep)
+        if self.asleep:
+            self.state_listener("reloading")
+            self.asleep, self.last_wake_s = False, self.WAKE_S
+        return super().generate(requests)
+
+
 def submit_aged(spool: Spool, requests: list[Request]) -> None:
     """Submit in order, each visibly older than the next, so the scan order is the list order."""
     spool.submit_many(requests)
@@ -322,6 +349,48 @@ def test_idle_time_counts_from_the_last_request(spool, make_request, run_worker,
     served = time.monotonic()
     assert handle.join(10) == 0
     assert time.monotonic() - served >= 0.8
+
+
+# -- sleep when idle ------------------------------------------------------------------------------------
+
+
+def status_of(spool: Spool) -> WorkerStatus:
+    return decode_status((spool.workers / "w1.json").read_bytes())
+
+
+def test_an_idle_worker_puts_its_engine_to_sleep_and_a_request_wakes_it(spool, make_request, run_worker, wait_for):
+    engine = SleepyEngine()
+    handle = run_worker(spool, engine, sleep_when_idle_s=0.3)
+    wait_for(lambda: engine.asleep and handle.worker.tally.asleep, what="the engine asleep")
+    assert engine.sleeps == 1 and status_of(spool).state == "sleeping"
+    tally = handle.worker.tally
+    assert (tally.sleeps, tally.sleep_s, tally.wakes) == (1, 0.01, 0)
+    spool.submit(make_request("wakes-it"))
+    assert wait_results(spool, wait_for, ["wakes-it"])["wakes-it"].ok
+    assert engine.asleep_at_call == [True] and not engine.asleep
+    wait_for(lambda: tally.wakes == 1, what="the wake counted")
+    assert tally.wake_s == SleepyEngine.WAKE_S and not tally.asleep
+    # Idle again, it sleeps again: the idle time counts from the last request.
+    wait_for(lambda: engine.sleeps == 2, what="a second sleep")
+    assert tally.sleeps == 2 and handle.stop() == 0
+
+
+def test_no_sleep_without_the_setting(spool, run_worker):
+    engine = SleepyEngine()
+    handle = run_worker(spool, engine)
+    time.sleep(0.5)
+    assert engine.sleeps == 0 and not engine.asleep
+    assert handle.stop() == 0
+
+
+def test_an_engine_that_cannot_sleep_is_closed_and_the_worker_serves_on(spool, make_request, run_worker, wait_for):
+    engine = SleepyEngine(sleep_fails=RuntimeError("no sleep mode in this engine"))
+    handle = run_worker(spool, engine, sleep_when_idle_s=0.1)
+    wait_for(lambda: engine.closed, what="the engine closed")
+    assert status_of(spool).state == "idle" and handle.worker.tally.sleeps == 0
+    spool.submit(make_request("after"))
+    assert wait_results(spool, wait_for, ["after"])["after"].ok
+    assert handle.stop() == 0
 
 
 def _rollout_svc() -> str:

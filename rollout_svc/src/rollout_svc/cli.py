@@ -18,7 +18,7 @@ import typer
 
 from protocol import exit_codes
 
-from .engines.vllm import VllmEngine
+from .engines.vllm import SLEEP_LEVELS, VllmEngine
 from .scheduling import Limits
 from .tiny_model import build as build_tiny_model
 from .worker import WorkerConfig
@@ -106,6 +106,27 @@ def serve(
         float, typer.Option(help="vllm on GPU: fraction of the device memory to use.")
     ] = _VLLM["gpu_memory_utilization"],
     seed: Annotated[int, typer.Option(help="vllm: engine seed (requests may carry their own).")] = _VLLM["seed"],
+    enforce_eager: Annotated[
+        bool | None,
+        typer.Option(
+            "--enforce-eager/--no-enforce-eager",
+            help="vllm: eager execution, or CUDA graphs; default eager on CPU, CUDA graphs on GPU.",
+        ),
+    ] = _VLLM["enforce_eager"],
+    sleep_when_idle: Annotated[
+        float,
+        typer.Option(
+            help="vllm on GPU: after this many seconds without requests, put the engine to sleep (device memory "
+            "given back) until the next request; 0 never sleeps.",
+        ),
+    ] = WorkerConfig.sleep_when_idle_s or 0.0,
+    sleep_level: Annotated[
+        int,
+        typer.Option(
+            help="With --sleep-when-idle: 2 discards the weights (the next request names new ones, reloaded anyway); "
+            "1 keeps them in host memory (for the same weights back).",
+        ),
+    ] = 2,
     metrics_dir: Annotated[
         Path | None, typer.Option(help="Write a Prometheus textfile here (node_exporter's textfile collector).")
     ] = None,
@@ -134,6 +155,12 @@ def serve(
             f"--heartbeat {heartbeat} must be at most a third of --lease {lease}; lower --heartbeat or raise --lease",
             param_hint="--heartbeat",
         )
+    if sleep_level not in SLEEP_LEVELS:
+        raise typer.BadParameter(f"{sleep_level} is not a sleep level; choose 1 or 2", param_hint="--sleep-level")
+    if sleep_when_idle < 0:
+        raise typer.BadParameter(
+            f"{sleep_when_idle} is negative; give seconds, or 0 never to sleep", param_hint="--sleep-when-idle"
+        )
     if engine not in ENGINES:
         raise typer.BadParameter(
             f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}", param_hint="--engine"
@@ -156,6 +183,8 @@ def serve(
             max_model_len=max_model_len,
             kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            sleep_level=sleep_level if sleep_when_idle else None,
             seed=seed,
         )
     config = WorkerConfig(
@@ -167,6 +196,7 @@ def serve(
         limits=Limits(max_requests=max_batch, max_sequences=max_sequences, max_wait_s=max_wait),
         poll=poll,
         preload=str(weights.absolute()) if weights else None,
+        sleep_when_idle_s=sleep_when_idle or None,
     )
     metrics = None
     if metrics_dir is not None:
@@ -175,7 +205,11 @@ def serve(
         except OSError as exc:
             raise _usage_error(f"cannot use --metrics-dir {metrics_dir}: {exc}") from None
         metrics = Metrics(metrics_dir, worker_id)
-    worker = Worker(spool_dir, make_engine(engine, **options), config, notifier=Notifier(), metrics=metrics)
+    try:
+        chosen = make_engine(engine, **options)
+    except ValueError as exc:  # settings the engine cannot run with; the message names the option
+        raise _usage_error(str(exc)) from None
+    worker = Worker(spool_dir, chosen, config, notifier=Notifier(), metrics=metrics)
     raise typer.Exit(worker.serve())
 
 

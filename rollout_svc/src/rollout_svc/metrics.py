@@ -67,3 +67,8 @@ class _Snapshot:
             errors.add_metric([*w, code], count)
         yield errors
         yield counter("rollout_reloads", "Weight changes", t.reloads)
+        yield gauge("rollout_asleep", "1 while the engine sleeps with its device memory given back", int(t.asleep))
+        yield counter("rollout_sleeps", "Times the engine was put to sleep", t.sleeps)
+        yield gauge("rollout_sleep_seconds", "Duration of the last fall asleep", t.sleep_s)
+        yield counter("rollout_wakes", "Times a request woke the engine", t.wakes)
+        yield gauge("rollout_wake_seconds", "Duration of the last wake, weights reloaded included", t.wake_s)

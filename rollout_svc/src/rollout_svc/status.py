@@ -7,7 +7,7 @@ stops publishing (a worker without a heartbeat may already have lost its claims)
 
 The worker counts in two places and nowhere else: the status file's `counters` (requests,
 samples, tokens) and a `Tally` of what the status file does not show (errors by code, reloads,
-the last engine call's rate, the queue depth). The metrics textfile renders both.
+the last engine call's rate, the queue depth, sleeps and wakes). The metrics textfile renders both.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ class Tally:
     reload_s: float = 0.0  # seconds of the last such load
     tokens_per_s: float = 0.0  # generated tokens per second of the last engine call
     queue_depth: int = 0  # requests waiting in requests/ at the last scan
+    asleep: bool = False  # the engine sleeps: its device memory is free
+    sleeps: int = 0  # times the engine was put to sleep
+    sleep_s: float = 0.0  # seconds the last fall asleep took
+    wakes: int = 0  # times a request woke the engine
+    wake_s: float = 0.0  # seconds the last wake took, weights reloaded included
 
 
 class Heartbeat:

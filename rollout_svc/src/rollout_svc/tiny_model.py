@@ -7,6 +7,10 @@ text and its token ids map one to one (the round trip is tested).
 Traps avoided: the tokenizer class is written explicitly (an architecture-specific tokenizer
 class could replace the stored pre-tokenizer and change the ids), spaces are not cleaned up on
 decode, and the attention head size is 64 (vLLM's CPU attention refuses 16).
+
+`write_tokenizer` also serves models of other shapes built on the spot (the GPU benchmarks'
+Qwen2 shapes): given a vocabulary size it fills the ids past the characters with filler tokens,
+so every id a randomly initialised model samples decodes to text; encoding is unchanged.
 """
 
 from __future__ import annotations
@@ -24,10 +28,17 @@ CHARACTERS = " \n" + string.digits + string.ascii_letters + string.punctuation
 HEAD_DIM = 64
 
 
-def build_tokenizer():
+def build_tokenizer(vocab_size: int | None = None):
+    """The character tokenizer; with `vocab_size`, ids past the characters up to it decode to
+    filler tokens `<|N|>` (never produced by encoding: there are no merges)."""
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    tokens = SPECIAL_TOKENS + list(CHARACTERS)
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size {vocab_size} is below the {len(tokens)} tokens of the character tokenizer")
+        tokens += [f"<|{i}|>" for i in range(len(tokens), vocab_size)]
+    vocab = {token: i for i, token in enumerate(tokens)}
     # BPE without merges splits any text into single characters; Fuse joins them back as-is.
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()
@@ -62,7 +73,7 @@ def build(
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or choose another directory")
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size(),
@@ -82,23 +93,11 @@ def build(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(),
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-        model_max_length=max_positions,
-        # "<s>" typed in a prompt is three characters, not the start token.
-        split_special_tokens=True,
-    )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        _pin_tokenizer_class(staging)
+        write_tokenizer(staging, max_positions=max_positions)
         # mkdtemp makes a private directory; a worker running as another user must read it.
         os.chmod(staging, 0o755)
         for path in staging.iterdir():
@@ -108,6 +107,25 @@ def build(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def write_tokenizer(directory: Path, *, max_positions: int, vocab_size: int | None = None) -> None:
+    """Save the character tokenizer (see build_tokenizer) into a model directory."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(vocab_size),
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=max_positions,
+        # "<s>" typed in a prompt is three characters, not the start token.
+        split_special_tokens=True,
+    )
+    tokenizer.save_pretrained(directory)
+    _pin_tokenizer_class(Path(directory))
 
 
 def _pin_tokenizer_class(model_dir: Path) -> None:

@@ -3,6 +3,11 @@
     scan requests/ -> scheduler picks a batch -> claim + validate each -> one engine call per
     weights -> check heartbeat and claims -> publish results -> archive in done/
 
+With `sleep_when_idle_s`, a worker that has had no request for that long puts its engine to
+sleep (its device memory given back; another process may use the device meanwhile) and says so
+in its status file (state "sleeping", and `rollout_asleep` in the metrics textfile); the next
+request wakes the engine before it is served.
+
 Exit paths (protocol.exit_codes): SIGTERM or SIGINT let the batch in hand finish for up to
 `stop_grace_s`, then give its claims back, and exit OK (0; a second signal gives them back at
 once); `idle_exit_s` without a request exits OK and frees the device; a failed heartbeat exits
@@ -53,6 +58,7 @@ class WorkerConfig:
     limits: Limits = field(default_factory=Limits)
     poll: bool | None = None  # None: poll only on filesystems without inotify
     preload: str | None = None  # weights to load before the first request
+    sleep_when_idle_s: float | None = None  # put the engine to sleep after this long without requests; None: never
 
 
 @dataclass
@@ -146,13 +152,14 @@ class Worker:
         except RequestFailed as exc:
             log.error("cannot preload --weights %s: %s", weights_dir, exc.message)
             return False
-        self._engine_state("idle")
+        self._engine_state(self._resting())
         return True
 
     def _loop(self) -> int:
         cfg = self.config
         last_work = time.monotonic()
         next_recovery = 0.0
+        sleep_tried = False  # one sleep per idle spell: an engine with nothing to free stays awake
         while not self._stopping:
             if not self.heartbeat.alive():
                 log.error("heartbeat lost; exiting without publishing so others can take over")
@@ -172,10 +179,14 @@ class Worker:
                 if exit_code is not None:
                     return exit_code
                 last_work = time.monotonic()
+                sleep_tried = False
                 continue
             if cfg.idle_exit_s is not None and now - last_work >= cfg.idle_exit_s:
                 log.info("idle for %.0f s; exiting to free the device", now - last_work)
                 return EXIT_OK
+            if cfg.sleep_when_idle_s is not None and not sleep_tried and now - last_work >= cfg.sleep_when_idle_s:
+                sleep_tried = True
+                self._sleep(now - last_work)
             self._waker.wait(cfg.rescan_s)
         log.info("stop requested; exiting")
         return EXIT_OK
@@ -216,7 +227,7 @@ class Worker:
                 self.heartbeat.count(requests_abandoned=len(group))
                 return EXIT_HEARTBEAT_LOST
             self._publish(group, results)
-        self._engine_state("idle")
+        self._engine_state(self._resting())
         return None
 
     def _accept(self, claim: Claim) -> _Job | None:
@@ -254,6 +265,7 @@ class Worker:
         that one bad request does not fail the others."""
         self.heartbeat.set_state("generating", group[0].request.request_id)
         started = time.monotonic()
+        was_asleep = self.engine.asleep
         try:
             self._in_engine = True
             if self._stopping:  # a stop arrived between two groups: the grace applies here too
@@ -266,6 +278,7 @@ class Worker:
         finally:
             self._in_engine = False
             signal.alarm(0)
+            self._count_wake(was_asleep)
         generate_s = time.monotonic() - started
         results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
         tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
@@ -292,6 +305,36 @@ class Worker:
                 self.heartbeat.count(requests_ok=1, samples=samples, tokens=tokens)
             else:
                 self._count_failure(result.error.code)
+
+    # -- sleep -----------------------------------------------------------------------------------
+
+    def _sleep(self, idle_s: float) -> None:
+        """Give the device memory back until the next request; if the engine cannot sleep, close
+        it instead (the device is freed either way; the next request builds a new engine)."""
+        try:
+            seconds = self.engine.sleep()
+        except Exception:
+            log.exception("the engine could not sleep; closing it to free the device")
+            self.engine.close()
+            self._engine_state(self._resting())
+            return
+        if not self.engine.asleep:
+            return  # nothing loaded, nothing to free
+        self.tally.sleeps += 1
+        self.tally.sleep_s = seconds
+        self.tally.asleep = True
+        log.info("no request for %.0f s: engine asleep (%.2f s to fall asleep), device memory free", idle_s, seconds)
+        self._engine_state(self._resting())
+
+    def _count_wake(self, was_asleep: bool) -> None:
+        if was_asleep and not self.engine.asleep:
+            self.tally.wakes += 1
+            self.tally.wake_s = self.engine.last_wake_s
+        self.tally.asleep = self.engine.asleep
+
+    def _resting(self) -> WorkerState:
+        """The state between requests: asleep or idle."""
+        return "sleeping" if self.engine.asleep else "idle"
 
     # -- status ----------------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ weights it cannot load) are raised as RequestFailed (rollout_svc.errors) so the 
 them into error results; anything else is a bug or a broken engine and is reported as
 `engine_error`. An engine reports what it is doing (loading, reloading, generating) to the one
 listener the worker gives it with `set_state_listener`.
+
+An engine asked to `sleep` gives its device memory back and stays asleep until the next
+`ensure_weights` or `generate`, which wakes it (its listener hears "reloading") before it serves.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Engine(Protocol):
     weights_dir: str | None  # weights currently loaded, if the engine has any
     weights_content_id: str | None
     build_s: float  # seconds the last engine build took; 0.0 before one, or for engines that build none
+    asleep: bool  # True from a sleep() until the load that wakes the engine
+    last_wake_s: float  # seconds the last wake took (reloading weights included)
 
     def set_state_listener(self, listener: StateListener) -> None:
         """Call `listener` with each state the engine enters ("loading", "reloading", "generating")."""
@@ -55,6 +60,11 @@ class Engine(Protocol):
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Serve requests sharing weights_dir (and content id), in one engine call."""
+        ...
+
+    def sleep(self) -> float:
+        """Give the device memory back until the next load; returns the seconds it took.
+        An engine with nothing to free stays awake (`asleep` False) and returns 0.0."""
         ...
 
     def close(self) -> None:

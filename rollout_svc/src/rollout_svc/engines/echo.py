@@ -5,7 +5,9 @@ a GPU or weights. Tokens are Unicode code points: a completion is the first `max
 characters of its prompt, finishing with "length" when that cut it short and "stop" otherwise.
 Each token's logprob is 0.0 (the echo is certain). Prompts given as token ids are echoed as
 those ids, their text being the code points they name. It loads nothing, so it never reports a
-state to its listener and every completion has a reload of 0 seconds and 0 bytes.
+state to its listener and every completion has a reload of 0 seconds and 0 bytes. It sleeps
+when asked (there is nothing to free) and is awake again at its next call, so the worker's
+sleep settings can be tried without a GPU.
 """
 
 from __future__ import annotations
@@ -22,16 +24,24 @@ class EchoEngine:
     weights_dir = None
     weights_content_id = None
     build_s = 0.0
+    asleep = False
+    last_wake_s = 0.0
     state_listener = staticmethod(ignore_state)
 
     def set_state_listener(self, listener: StateListener) -> None:
         self.state_listener = listener  # kept for subclasses: the echo itself has no state to report
 
     def ensure_weights(self, weights_dir: str, expected_content_id: str | None = None) -> float:
+        self.asleep = False
         return 0.0  # no weights: any weights_dir is served by echoing
 
     def generate(self, requests: list[Request]) -> list[Completion]:
+        self.asleep = False
         return [self._echo(request) for request in requests]
+
+    def sleep(self) -> float:
+        self.asleep = True
+        return 0.0
 
     @staticmethod
     def _echo(request: Request) -> Completion:

@@ -1,26 +1,29 @@
-"""The vLLM engine: one offline `LLM`, its weights reloaded in place when a request names others.
+"""The vLLM engine: one `LLM` in a process of its own, its weights reloaded in place when a request
+names others, asleep when the worker asks, rebuilt in a new process when nothing else works.
 
 Weight changes, cheapest path first:
-- same directory and content id as loaded: nothing to do;
+- same directory and content id as loaded (and awake): nothing to do;
 - same architecture and tokenizer: `reload_weights` in place (no new engine), reset the prefix
-  cache, then check that the engine's tensors equal the files' (stale weights after a reload
-  are a known failure mode of in-place reloads);
-- architecture or tokenizer changed, or the in-place reload failed or left stale tensors:
-  build a new engine.
+  cache, check that the engine's tensors equal the files' (rollout_svc.engines.vllm_host);
+- asleep: wake up, reloading the weights when the sleep level discarded them or others are
+  named, and check them the same way;
+- architecture or tokenizer changed, or the reload or wake failed: close the engine's process,
+  wait until it and everything it started are gone (their device memory with them), and build
+  a new engine in a new process (rollout_svc.engines.host says why never in the same one).
 
-Each load reports its seconds and the bytes of the weight files it loaded (0 and 0 when the
-weights were already live), and the engine's state ("loading", "reloading", "generating") goes
-to the listener set with `set_state_listener`.
-
-Sampling logprobs are vLLM's `processed_logprobs`: the log-probabilities of the distribution the
-token was drawn from (temperature and top-p applied), which is what an importance ratio needs.
+Each load reports its seconds and the bytes of the weight files it read (0 and 0 when the
+weights were already live); the engine's state ("loading", "reloading", "generating") goes to
+the listener set with `set_state_listener`. Defaults follow the device: float32 and eager
+execution on CPU, bfloat16 and CUDA graphs on GPU. Sleep mode exists on GPU only: vLLM's CPU
+build refuses `enable_sleep_mode` ("Sleep mode is not supported on current platform", checked
+with vLLM 0.32.0), so asking for it on CPU is refused here, at construction.
 """
 
 from __future__ import annotations
 
-import gc
+import dataclasses
+import hashlib
 import logging
-import math
 import os
 import time
 from typing import NamedTuple
@@ -30,12 +33,13 @@ from protocol.messages import ErrorCode, Request
 from ..errors import RequestFailed
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
+from .host import EngineHost, HostDied, HostError, descendants
+from .vllm_host import EngineSpec, describe
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "rollout_svc.engines.vllm_extension.WeightProbe"
-PROBED_TENSORS = 6  # largest comparable tensors checked after each reload
-PROBE_RTOL = 1e-5
+HOST_MODULE = "rollout_svc.engines.vllm_host"
+SLEEP_LEVELS = (1, 2)
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -44,10 +48,6 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-
-
-class StaleWeights(RuntimeError):
-    """The engine's tensors differ from the files after a reload."""
 
 
 class Load(NamedTuple):
@@ -70,25 +70,43 @@ class VllmEngine:
         max_model_len: int | None = None,
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.85,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
+        sleep_level: int | None = None,
         seed: int = 0,
     ):
-        import vllm
-
-        self.name = f"vllm {vllm.__version__}"
+        """`enforce_eager` None: eager on CPU, CUDA graphs on GPU. `sleep_level` None builds the
+        engine without vLLM's sleep mode; 1 (weights kept in host memory) or 2 (weights
+        discarded, reloaded from disk at wake) is the level `sleep()` uses."""
+        if sleep_level is not None and sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level {sleep_level} is not 1 or 2; set --sleep-level to 1 or 2")
+        if sleep_level is not None and device == "cpu":
+            raise ValueError(
+                "--sleep-when-idle needs vLLM's sleep mode, which vLLM's CPU build does not have (it refuses "
+                "enable_sleep_mode: 'Sleep mode is not supported on current platform'); drop --sleep-when-idle "
+                "on this machine, or run the worker on a GPU"
+            )
+        self.name = f"vllm {_vllm_version()}"
         self.device = device
         self.policy = policy
-        self.dtype = dtype if dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
-        self.max_model_len = max_model_len
-        self.kv_cache_gib = kv_cache_gib
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.enforce_eager = enforce_eager
-        self.seed = seed
+        self.sleep_level = sleep_level
+        self.spec = EngineSpec(
+            device=device,
+            dtype=dtype if dtype != "auto" else ("float32" if device == "cpu" else "bfloat16"),
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=(device == "cpu") if enforce_eager is None else enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gib=kv_cache_gib,
+            sleep_mode=sleep_level is not None,
+        )
         self._on_state: StateListener = ignore_state
-        self.llm = None
+        self.host: EngineHost | None = None
         self.weights: Weights | None = None
         self.tokenizer_id: str | None = None
-        self.build_s = 0.0  # time of the last engine build
+        self.facts: dict = {}  # what the engine process reported at its build (vllm_host.LiveEngine.facts)
+        self.build_s = 0.0  # time of the last engine build, its process's start included
+        self.asleep = False
+        self.last_wake_s = 0.0
 
     @property
     def weights_dir(self) -> str | None:
@@ -117,146 +135,129 @@ class VllmEngine:
                 f"is {expected_content_id}: the directory was replaced since the request was written; "
                 "resubmit with the new weights_content_id or without one",
             )
-        live = self.weights
-        if live is not None and (weights.real_path, weights.content_id) == (live.real_path, live.content_id):
+        live = self.weights if self.host is not None and self.host.alive() else None  # a dead engine holds nothing
+        unchanged = live is not None and (weights.real_path, weights.content_id) == (live.real_path, live.content_id)
+        if unchanged and not self.asleep:
             return ALREADY_LIVE
-        tokenizer, tokenizer_id = _load_tokenizer(weights)
-        check_tokenizer_fits(weights, len(tokenizer))
+        tokenizer_id = self.tokenizer_id if unchanged else _tokenizer_id(weights)
         started = time.monotonic()
+        read = weights.size_bytes
         same_shape = (
-            self.llm is not None
-            and live is not None
-            and weights.architecture == live.architecture
-            and tokenizer_id == self.tokenizer_id
+            live is not None and weights.architecture == live.architecture and tokenizer_id == self.tokenizer_id
         )
-        if same_shape:
-            try:
+        try:
+            if same_shape and self.asleep:
+                # Level 2 discarded the weights; level 1 kept them, and they do unless others are named.
+                reload = self.sleep_level == 2 or not unchanged
+                self._wake(weights, reload)
+                read = read if reload else 0
+            elif same_shape:
                 self._reload_in_place(weights)
-            except Exception as exc:  # a failed in-place reload must not leave a broken engine
-                log.warning("in-place reload of %s failed (%s); building a new engine", weights_dir, exc)
+            else:
                 self._build(weights)
-        else:
+        except HostError as exc:
+            if not same_shape:
+                raise
+            # A failed reload or wake must not leave a broken engine behind.
+            log.warning("changing to %s in place failed (%s); building a new engine", weights_dir, exc)
+            read = weights.size_bytes
             self._build(weights)
         self.weights, self.tokenizer_id = weights, tokenizer_id
-        return Load(time.monotonic() - started, weights.size_bytes)
+        return Load(time.monotonic() - started, read)
 
     def _reload_in_place(self, weights: Weights) -> None:
         self._on_state("reloading")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights.real_path})
-        self.llm.reset_prefix_cache()
-        self._verify_live(weights)
+        self.host.call("reload", weights)
         log.info("reloaded %s in place", weights.path)
+
+    def _wake(self, weights: Weights, reload: bool) -> None:
+        self._on_state("reloading")
+        started = time.monotonic()
+        self.host.call("wake", weights, reload)
+        self.asleep = False
+        self.last_wake_s = time.monotonic() - started
+        log.info("awake in %.2f s with %s%s", self.last_wake_s, weights.path, " (reloaded)" if reload else "")
 
     def _build(self, weights: Weights) -> None:
         self._on_state("loading")
         self.close()
-        from vllm import LLM
-
-        if self.device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.kv_cache_gib))))
         started = time.monotonic()
-        self.llm = LLM(
-            weights.real_path,
-            dtype=self.dtype,
-            seed=self.seed,
-            max_model_len=self.max_model_len,
-            enforce_eager=self.enforce_eager,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            load_format="safetensors",  # never unpickle a checkpoint
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION,
+        env = dict(
+            os.environ, ROLLOUT_LOG_LEVEL=logging.getLevelName(logging.getLogger("rollout_svc").getEffectiveLevel())
         )
+        host = EngineHost(HOST_MODULE, env=env)
+        try:
+            self.facts = host.call("build", self.spec, weights)
+        except BaseException:
+            host.close()
+            raise
+        self.host = host
         self.build_s = time.monotonic() - started
-        self._verify_live(weights)
-        log.info("engine built for %s in %.1f s", weights.path, self.build_s)
+        log.info(
+            "engine process %d built for %s in %.1f s (%s)", host.pid, weights.path, self.build_s, describe(self.facts)
+        )
 
-    def _verify_live(self, weights: Weights) -> None:
-        """Compare the sums of the largest comparable tensors in the engine with the files'."""
-        from safetensors import safe_open
+    # -- sleep -----------------------------------------------------------------------------------
 
-        engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
-        expected: dict[str, float] = {}
-        rows: dict[str, int] = {}
-        candidates = []
-        for shard in weights.shards:
-            with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
-                for name in f.keys():
-                    if name in engine_shapes:
-                        shape = f.get_slice(name).get_shape()
-                        candidates.append((math.prod(shape), shard, name, shape))
-        for _, shard, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]:
-            with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
-                tensor = f.get_tensor(name)
-            expected[name] = float(tensor.to(_torch_dtype(self.dtype)).double().sum())
-            rows[name] = shape[0]
-        if not expected:
-            log.warning("no tensor of %s can be compared with the engine's; reload not verified", weights.path)
-            return
-        actual = self.llm.collective_rpc("parameter_sums", args=(rows,))[0]
-        for name, want in expected.items():
-            got = actual.get(name)
-            if got is None or not math.isclose(got, want, rel_tol=PROBE_RTOL, abs_tol=PROBE_RTOL):
-                raise StaleWeights(f"{name}: engine sum {got}, file sum {want}")
+    def sleep(self) -> float:
+        """Give the device memory back until the next load wakes the engine; returns the seconds
+        it took (0.0 with no engine to put to sleep, or one already asleep)."""
+        if self.sleep_level is None:
+            raise RuntimeError("this engine was built without sleep mode; start the worker with --sleep-when-idle")
+        if self.asleep or self.host is None or not self.host.alive():
+            return 0.0
+        started = time.monotonic()
+        self.host.call("sleep", self.sleep_level)
+        self.asleep = True
+        return time.monotonic() - started
 
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Serve requests that share weights_dir in one engine call."""
-        from vllm import SamplingParams
-
         first = requests[0]
         load = self.load(first.weights_dir, first.weights_content_id)
-        tokenizer = self.llm.get_tokenizer()
-        max_len = self.llm.llm_engine.model_config.max_model_len
-        vocab = self.weights.config.get("vocab_size") or len(tokenizer)
-        prompts, params, spans = [], [], []
-        for request in requests:
-            ids_per_prompt = request.prompt_token_ids or [tokenizer(p)["input_ids"] for p in request.prompts]
-            _check_prompts(request, ids_per_prompt, max_len, vocab)
-            sampling = SamplingParams(
-                n=request.n_samples_per_prompt,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                stop=request.stop or None,
-                seed=request.seed,
-                logprobs=0 if request.logprobs else None,
-            )
-            spans.append((len(prompts), len(ids_per_prompt)))
-            prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
-            params += [sampling] * len(ids_per_prompt)
         self._on_state("generating")
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [_completion(outputs[start : start + count], load) for start, count in spans]
+        try:
+            completions = self.host.call("generate", requests)
+        except HostDied:
+            self.close()  # whatever is left of it goes; the next load builds a new engine
+            raise
+        return [dataclasses.replace(c, reload_s=load.seconds, reload_bytes=load.bytes) for c in completions]
+
+    def probe(self, method: str, *args):
+        """Run a WeightProbe method (vllm_extension) next to the engine's tensors; for checks."""
+        return self.host.call("probe", method, args)
+
+    def process_ids(self) -> set[int]:
+        """The engine's process and every process it started (empty without an engine)."""
+        return {self.host.pid, *descendants(self.host.pid)} if self.host is not None else set()
 
     def close(self) -> None:
-        if self.llm is None:
-            return
+        """End the engine's processes; returns once they are gone, and their device memory with them."""
+        host, self.host = self.host, None
+        self.weights, self.asleep = None, False
+        if host is not None:
+            host.close()
+
+
+def _vllm_version() -> str:
+    """vLLM's version without importing it (seconds of imports the worker process never needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
         try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception as exc:  # the engine process may already be gone
-            log.warning("engine shutdown: %s", exc)
-        self.llm = None
-        self.weights = None
-        gc.collect()
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return vllm.__version__
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return {
-        "float32": torch.float32,
-        "float": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "half": torch.float16,
-    }[name]
-
-
-def _load_tokenizer(weights: Weights):
-    """The tokenizer saved with the weights, and an id of its files (a change needs a new engine)."""
-    import hashlib
-
+def _tokenizer_id(weights: Weights) -> str:
+    """An id of the tokenizer files saved with the weights (a change needs a new engine), once
+    the tokenizer is known to load and to fit the model's vocabulary."""
     from transformers import AutoTokenizer
 
     digest = hashlib.sha256()
@@ -280,40 +281,5 @@ def _load_tokenizer(weights: Weights):
             ErrorCode.WEIGHTS_INVALID,
             f"weights_dir {weights.path}: the tokenizer does not load ({exc}); save it again with save_pretrained",
         ) from None
-    return tokenizer, digest.hexdigest()
-
-
-def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: int, vocab: int) -> None:
-    for i, ids in enumerate(ids_per_prompt):
-        if len(ids) + request.max_tokens > max_len:
-            raise RequestFailed(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt {i} has {len(ids)} tokens; with max_tokens {request.max_tokens} that exceeds the "
-                f"engine's limit of {max_len} tokens. Shorten the prompt, lower max_tokens, or start the worker "
-                "with a larger --max-model-len",
-            )
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestFailed(
-                ErrorCode.INVALID_REQUEST,
-                f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}; "
-                "tokenize with the tokenizer saved in weights_dir",
-            )
-
-
-def _completion(outputs, load: Load) -> Completion:
-    texts, token_ids, logprobs, finish, prompt_ids = [], [], [], [], []
-    for output in outputs:
-        samples = sorted(output.outputs, key=lambda c: c.index)
-        texts.append([c.text for c in samples])
-        token_ids.append([list(c.token_ids) for c in samples])
-        logprobs.append([_sampled_logprobs(c) for c in samples])
-        finish.append([c.finish_reason or "length" for c in samples])
-        prompt_ids.append(list(output.prompt_token_ids))
-    return Completion(texts, token_ids, logprobs, finish, prompt_ids, reload_s=load.seconds, reload_bytes=load.bytes)
-
-
-def _sampled_logprobs(sample) -> list[float]:
-    if sample.logprobs is None:
-        return []
-    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+    check_tokenizer_fits(weights, len(tokenizer))
+    return digest.hexdigest()

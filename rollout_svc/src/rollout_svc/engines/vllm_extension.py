@@ -24,3 +24,13 @@ class WeightProbe:
             for name, rows in rows_by_name.items()
             if name in params and params[name].numel() > 0
         }
+
+    def engine_facts(self) -> dict:
+        """How this worker runs the model: eager or with CUDA graphs, and how many graphs it captured."""
+        dispatcher = getattr(self.model_runner, "cudagraph_dispatcher", None)  # GPU model runners only
+        captured = getattr(dispatcher, "cudagraph_keys", {})
+        return {
+            "enforce_eager": bool(self.vllm_config.model_config.enforce_eager),
+            "cudagraph_mode": str(self.vllm_config.compilation_config.cudagraph_mode),
+            "cuda_graphs": sum(len(keys) for keys in captured.values()),
+        }

@@ -1,0 +1,272 @@
+"""The process that holds one vLLM engine for VllmEngine (engines/host.py says why a process).
+
+Started as `python -m rollout_svc.engines.vllm_host COMMANDS ANSWERS`; it answers, in order:
+`build` (once), `reload`, `generate`, `sleep`, `wake`, `facts`, `probe`, `shutdown`. A new
+architecture or tokenizer, or a failed reload, is a new process, never a second `LLM` here.
+
+Guarantees:
+- after every weight change (build, in-place reload, wake) the largest comparable tensors of
+  the engine equal the files' (float64 sums; StaleWeights otherwise), so stale weights after a
+  reload or a wake are caught before anything is generated;
+- sampling logprobs are vLLM's `processed_logprobs`: log-probabilities of the distribution each
+  token was drawn from (temperature and top-p applied), which is what an importance ratio needs;
+- vLLM's sampler runs where flashinfer is absent: unless VLLM_USE_FLASHINFER_SAMPLER is set,
+  it is set to 0 when flashinfer does not import (vLLM would otherwise ask for it and die);
+- sleep level 2 drops the weights: waking reloads them from the directory named (the same or
+  new ones) between waking the weights' memory and the KV cache's, as vLLM prescribes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from protocol.messages import ErrorCode, Request
+
+from ..errors import RequestFailed
+from ..weights import Weights
+from .base import Completion
+from .host import SHUTDOWN, serve
+
+log = logging.getLogger("rollout_svc.engines.vllm_host")
+
+EXTENSION = "rollout_svc.engines.vllm_extension.WeightProbe"
+PROBED_TENSORS = 6  # largest comparable tensors checked after each weight change
+PROBE_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build the engine: VllmEngine's settings, resolved for the device."""
+
+    device: str  # "cpu" or "cuda:N"
+    dtype: str  # float32, bfloat16, float16
+    seed: int
+    max_model_len: int | None
+    enforce_eager: bool  # False: CUDA graphs
+    gpu_memory_utilization: float
+    kv_cache_gib: float  # CPU only
+    sleep_mode: bool  # build with vLLM's sleep mode (GPU only)
+
+
+class StaleWeights(RuntimeError):
+    """The engine's tensors differ from the files after a weight change."""
+
+
+def configure_environment(device: str, kv_cache_gib: float) -> None:
+    """Environment vLLM reads when an engine starts; call before building one."""
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+        try:
+            import flashinfer  # noqa: F401
+        except Exception:  # absent or broken: either way vLLM's sampler must not ask for it
+            os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+            log.info("flashinfer does not import; VLLM_USE_FLASHINFER_SAMPLER=0")
+
+
+class LiveEngine:
+    """The `LLM` of this process and the weights it holds."""
+
+    def __init__(self):
+        self.llm = None
+        self.weights: Weights | None = None
+
+    def build(self, spec: EngineSpec, weights: Weights) -> dict:
+        configure_environment(spec.device, spec.kv_cache_gib)
+        from vllm import LLM
+
+        started = time.monotonic()
+        self.llm = LLM(
+            weights.real_path,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            max_model_len=spec.max_model_len,
+            enforce_eager=spec.enforce_eager,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            enable_sleep_mode=spec.sleep_mode,
+            load_format="safetensors",  # never unpickle a checkpoint
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+        )
+        self._verify(weights)
+        facts = self.facts() | {"llm_s": time.monotonic() - started}
+        log.info("engine built for %s in %.1f s (%s)", weights.path, facts["llm_s"], describe(facts))
+        return facts
+
+    def reload(self, weights: Weights) -> None:
+        self._reload_weights(weights)
+        self.llm.reset_prefix_cache()
+        self._verify(weights)
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake(self, weights: Weights, reload: bool) -> None:
+        """Wake up; with `reload`, load `weights` into the woken weight memory before the KV
+        cache comes back (level 2 discarded the old ones; level 1 kept ones now outdated)."""
+        if reload:
+            self.llm.wake_up(tags=["weights"])
+            self._reload_weights(weights)
+            self.llm.wake_up(tags=["kv_cache"])
+        else:
+            self.llm.wake_up()
+        self.llm.reset_prefix_cache()
+        self._verify(weights)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Serve requests that share the live weights in one engine call."""
+        from vllm import SamplingParams
+
+        tokenizer = self.llm.get_tokenizer()
+        max_len = self.llm.llm_engine.model_config.max_model_len
+        vocab = self.weights.config.get("vocab_size") or len(tokenizer)
+        prompts, params, spans = [], [], []
+        for request in requests:
+            ids_per_prompt = request.prompt_token_ids or [tokenizer(p)["input_ids"] for p in request.prompts]
+            _check_prompts(request, ids_per_prompt, max_len, vocab)
+            sampling = SamplingParams(
+                n=request.n_samples_per_prompt,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                stop=request.stop or None,
+                seed=request.seed,
+                logprobs=0 if request.logprobs else None,
+            )
+            spans.append((len(prompts), len(ids_per_prompt)))
+            prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
+            params += [sampling] * len(ids_per_prompt)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [_completion(outputs[start : start + count]) for start, count in spans]
+
+    def facts(self) -> dict:
+        """What runs here: vLLM's version, the process, eager or CUDA graphs, the length limit."""
+        import vllm
+
+        return self.llm.collective_rpc("engine_facts")[0] | {
+            "vllm": vllm.__version__,
+            "pid": os.getpid(),
+            "max_model_len": self.llm.llm_engine.model_config.max_model_len,
+        }
+
+    def probe(self, method: str, args: tuple) -> object:
+        """A WeightProbe method of the model's worker, for checks from outside."""
+        return self.llm.collective_rpc(method, args=tuple(args))[0]
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    def _reload_weights(self, weights: Weights) -> None:
+        self.weights = None  # until verified
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights.real_path})
+
+    def _verify(self, weights: Weights) -> None:
+        """Compare the sums of the largest comparable tensors in the engine with the files'."""
+        from safetensors import safe_open
+
+        engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
+        candidates = []
+        for shard in weights.shards:
+            with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
+                for name in f.keys():
+                    if name in engine_shapes:
+                        shape = f.get_slice(name).get_shape()
+                        candidates.append((math.prod(shape), shard, name, shape))
+        expected: dict[str, float] = {}
+        rows: dict[str, int] = {}
+        dtype = _torch_dtype(self.llm.llm_engine.model_config.dtype)
+        for _, shard, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]:
+            with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
+                tensor = f.get_tensor(name)
+            expected[name] = float(tensor.to(dtype).double().sum())
+            rows[name] = shape[0]
+        if not expected:
+            log.warning("no tensor of %s can be compared with the engine's; weights not verified", weights.path)
+        actual = self.llm.collective_rpc("parameter_sums", args=(rows,))[0] if expected else {}
+        for name, want in expected.items():
+            got = actual.get(name)
+            if got is None or not math.isclose(got, want, rel_tol=PROBE_RTOL, abs_tol=PROBE_RTOL):
+                raise StaleWeights(f"{name}: engine sum {got}, file sum {want}")
+        self.weights = weights
+
+
+def describe(facts: dict) -> str:
+    """'CUDA graphs: 67 captured' or 'eager', for logs."""
+    if facts.get("enforce_eager") or not facts.get("cuda_graphs"):
+        return "eager"
+    return f"CUDA graphs: {facts['cuda_graphs']} captured"
+
+
+def _torch_dtype(dtype):
+    """vLLM's model dtype (a torch.dtype) or a name of one."""
+    import torch
+
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+
+
+def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: int, vocab: int) -> None:
+    for i, ids in enumerate(ids_per_prompt):
+        if len(ids) + request.max_tokens > max_len:
+            raise RequestFailed(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt {i} has {len(ids)} tokens; with max_tokens {request.max_tokens} that exceeds the "
+                f"engine's limit of {max_len} tokens. Shorten the prompt, lower max_tokens, or start the worker "
+                "with a larger --max-model-len",
+            )
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestFailed(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}; "
+                "tokenize with the tokenizer saved in weights_dir",
+            )
+
+
+def _completion(outputs) -> Completion:
+    texts, token_ids, logprobs, finish, prompt_ids = [], [], [], [], []
+    for output in outputs:
+        samples = sorted(output.outputs, key=lambda c: c.index)
+        texts.append([c.text for c in samples])
+        token_ids.append([list(c.token_ids) for c in samples])
+        logprobs.append([_sampled_logprobs(c) for c in samples])
+        finish.append([c.finish_reason or "length" for c in samples])
+        prompt_ids.append(list(output.prompt_token_ids))
+    return Completion(texts, token_ids, logprobs, finish, prompt_ids)
+
+
+def _sampled_logprobs(sample) -> list[float]:
+    if sample.logprobs is None:
+        return []
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(
+        level=os.environ.get("ROLLOUT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    engine = LiveEngine()
+    serve(
+        {
+            "build": engine.build,
+            "reload": engine.reload,
+            "generate": engine.generate,
+            "sleep": engine.sleep,
+            "wake": engine.wake,
+            "facts": engine.facts,
+            "probe": engine.probe,
+            SHUTDOWN: engine.shutdown,
+        },
+        argv,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
