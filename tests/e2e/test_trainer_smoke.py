@@ -97,9 +97,13 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
     result = json.loads((learned_dir / "stage_result.json").read_text())
     assert result["finished"] and result["exit_code"] == 0
     assert result["checkpoint"].endswith(f"step_{STEPS:08d}")
-    # The weight sync worked: results came from the checkpoints, with engine and trainer agreeing.
+    # The weight sync worked: results came from the published weights, engine and trainer agreeing.
     assert result["summary"]["mismatch_max"] < 1e-2
-    assert sorted(p.name for p in (learned_dir / "checkpoints").iterdir()) == [f"step_{STEPS - 1:08d}", f"step_{STEPS:08d}"]
+    assert sorted(p.name for p in (learned_dir / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in (100, STEPS)]
+    published = sorted(p.name for p in (learned_dir / "weights").iterdir())
+    assert published == [f"step_{s:08d}" for s in range(STEPS - 2, STEPS + 1)]  # publish.keep_last = 3
+    served = {json.loads(p.read_text())["weights_dir"] for p in (learned_dir / "spool" / "done").iterdir()}
+    assert str(learned_dir / "weights" / f"step_{STEPS - 1:08d}") in served
     # The spawned worker is gone and its spool holds no claim.
     assert os.listdir(learned_dir / "spool" / "claimed") == []
     assert not list((learned_dir / "spool" / "workers").iterdir())

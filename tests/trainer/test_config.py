@@ -31,7 +31,7 @@ def test_demo_config_loads_with_its_values():
     assert cfg.train.betas == (0.9, 0.99)
     assert cfg.data.arithmetic_high == 20 and cfg.data.held_out == 41
     assert cfg.sft is not None and cfg.sft.problems == 200 and cfg.sft.stop_at_accuracy == 0.3
-    assert cfg.checkpoint.keep_last == 3
+    assert cfg.checkpoint.keep_last == 3 and cfg.checkpoint.every == 50 and cfg.publish.every == 1
     # sections the file leaves out keep their defaults
     assert cfg.reward.correct == 1.0 and cfg.reward.overlong_buffer == 0
 
@@ -42,6 +42,7 @@ def test_minimal_config_takes_every_default(tmp_path, monkeypatch):
     assert cfg.train.steps == 200 and cfg.rollout.samples_per_prompt == 8
     assert cfg.data.task == "arithmetic" and cfg.sft is None
     assert cfg.spool_dir == tmp_path / "run" / "spool"
+    assert cfg.publish_dir == tmp_path / "run" / "weights" and cfg.publish.dtype == "auto"
 
 
 BAD = {

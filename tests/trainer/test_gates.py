@@ -64,10 +64,11 @@ def test_config_refuses_a_batch_that_does_not_split_into_ranks_and_micro_batches
     assert "so that 2 divides 9" in refused("config", gates.check_config, odd, world_size=2)
 
 
-def test_config_refuses_a_save_cadence_beyond_the_allowed_policy_lag(cfg):
-    lagging = replace(cfg, checkpoint={"every": 3})
+def test_config_refuses_a_publish_cadence_beyond_the_allowed_policy_lag(cfg):
+    gates.check_config(replace(cfg, checkpoint={"every": 50}), world_size=1)  # checkpoints are not the sync
+    lagging = replace(cfg, publish={"every": 3})
     message = refused("config", gates.check_config, lagging, world_size=1)
-    assert "checkpoint.every = 3" in message and "up to 2 steps old" in message
+    assert "publish.every = 3" in message and "up to 2 steps old" in message
     assert "rollout.max_policy_lag = 0" in message
     gates.check_config(replace(lagging, rollout={"max_policy_lag": 2}), world_size=1)
     refused("config", gates.check_config, replace(lagging, rollout={"max_policy_lag": 1}), world_size=1)
@@ -336,6 +337,37 @@ def test_topology_spawned_worker_lands_on_the_approved_gpu(cfg, tmp_path, monkey
     approved = gates.check_topology(spawning(cfg), world_size=world, cuda_devices=devices)["rollout_device"]
     assert approved == f"cuda:{rollout_gpu or world}"
     assert spawned_worker_gpus(cfg, tmp_path, world, devices) == physical
+
+
+def test_topology_colocate_shares_rank_0s_gpu_only_when_asked(cfg, monkeypatch):
+    monkeypatch.delenv("ROLLOUT_GPU", raising=False)
+    message = refused("topology", gates.check_topology, spawning(cfg), world_size=1, cuda_devices=1)
+    assert "rollout.colocate = true" in message
+    shared = replace(cfg, rollout={"spawn": True, "colocate": True})
+    placed = gates.check_topology(shared, world_size=1, cuda_devices=1)
+    assert placed == {"train_ranks": 1, "rollout_device": "cuda:0 (shared with rank 0: rollout.colocate)"}
+    assert "has 2 ranks" in refused("topology", gates.check_topology, shared, world_size=2, cuda_devices=2)
+    assert gates.check_topology(shared, world_size=1, cuda_devices=0)["rollout_device"] == "cpu"
+
+
+def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_when_idle(cfg, tmp_path, monkeypatch):
+    from trainer_svc.rollout import RolloutService
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    venv, record = tmp_path / "fake-venv", tmp_path / "worker-args.txt"
+    (venv / "bin").mkdir(parents=True)
+    script = venv / "bin" / "rollout-svc"
+    script.write_text(f'#!/bin/sh\nprintf "%s " "$CUDA_VISIBLE_DEVICES" "$@" > "{record}"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    shared = replace(cfg, rollout={"spawn": True, "colocate": True, "colocate_gpu_memory": 0.25, "rollout_venv": str(venv)})
+    service = RolloutService(shared, launch_id="t", world_size=1, cuda_devices=1)
+    try:
+        assert service.proc.wait(timeout=30) == 0
+    finally:
+        service.close()
+    gpu, *args = record.read_text().split()
+    assert gpu == "5"
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.25" and "--sleep-when-idle" in args
 
 
 # -- horizon -------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_model_dir_with_only_pickle_weights(tmp_path):
     with pytest.raises(PreflightError) as info:
         check_model_dir(model)
     assert info.value.exit_code == exit_codes.USAGE
-    assert f"{model} has no .safetensors weights" in str(info.value)
+    assert f"{model} (model.path) has no .safetensors weights" in str(info.value)
     assert "safe_serialization=True" in str(info.value)
 
 
@@ -109,6 +109,17 @@ def test_run_dir_under_a_regular_file(tmp_path):
     assert info.value.exit_code == exit_codes.USAGE
     assert f"run directory {blocker / 'run'} cannot be written" in str(info.value)
     assert "run.dir" in str(info.value)
+
+
+def test_publish_dir_under_a_regular_file_names_its_key(tmp_path):
+    from trainer_svc.preflight import check_publish_dir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(PreflightError) as info:
+        check_publish_dir(blocker / "weights")
+    assert f"publish directory {blocker / 'weights'} cannot be written" in str(info.value)
+    assert "choose another publish.dir" in str(info.value)
 
 
 # ---------------------------------------------------------------- spool

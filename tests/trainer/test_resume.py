@@ -1,9 +1,11 @@
 """A run stopped at step boundaries and resumed repeats the uninterrupted run exactly (CPU,
-deterministic mode), and checkpoints are the weight sync: each step samples from the newest."""
+deterministic mode); published weights are the weight sync: each step samples from the newest,
+and resume checkpoints keep their own cadence."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -12,7 +14,7 @@ from local_sampler import TorchSampler
 from protocol import exit_codes
 from trainer_svc.loop import train
 
-TIMING_KEYS = {"rollout_s", "train_s", "save_s", "step_s"}
+TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 
 
 def step_rows(run_dir) -> list[dict]:
@@ -46,14 +48,62 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(warm_model, tmp_p
     assert step_rows(interrupted.run_dir) == expected
 
 
-def test_each_step_samples_from_the_newest_checkpoint(warm_model, tmp_path):
-    cfg = make_config(tmp_path / "sync", warm_model, train={"steps": 3}, checkpoint={"every": 1, "keep_last": 5})
+def published(cfg, step: int):
+    return cfg.run_dir / "weights" / f"step_{step:08d}"
+
+
+def test_each_step_samples_from_the_newest_published_weights(warm_model, tmp_path):
+    cfg = make_config(tmp_path / "sync", warm_model, train={"steps": 3}, checkpoint={"every": 50})
     samplers: list = []
     assert run(cfg, samplers) == exit_codes.OK
     named = [(r["step"], r["weights_dir"]) for r in samplers[0].requests if r["attempt"] == 0]
     assert named[0] == (0, str(warm_model))
-    assert named[1:] == [(s, str(cfg.run_dir / "checkpoints" / f"step_{s:08d}")) for s in (1, 2)]
-    manifests = [json.loads((cfg.run_dir / "checkpoints" / f"step_{s:08d}" / "manifest.json").read_text()) for s in (1, 2)]
+    assert named[1:] == [(s, str(published(cfg, s))) for s in (1, 2)]
+    manifests = [json.loads((published(cfg, s) / "manifest.json").read_text()) for s in (1, 2)]
     assert [r["content_id"] for r in samplers[0].requests if r["attempt"] == 0][1:] == [m["content_id"] for m in manifests]
+    # one resume checkpoint, at the end; published weights carry no optimizer state
+    assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_00000003"]
+    assert sorted(p.name for p in published(cfg, 3).iterdir()) == [
+        "config.json", "generation_config.json", "manifest.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     result = json.loads((cfg.run_dir / "stage_result.json").read_text())
     assert result["finished"] and result["summary"]["steps"] == 3 and result["checkpoint"].endswith("step_00000003")
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["publish_s"] > 0 for row in rows) and [row["save_s"] > 0 for row in rows] == [False, False, True]
+
+
+def test_publish_cadence_sets_the_policy_lag(warm_model, tmp_path):
+    cfg = make_config(tmp_path / "lag", warm_model, train={"steps": 5}, publish={"every": 2},
+                      rollout={"max_policy_lag": 1})
+    samplers: list = []
+    assert run(cfg, samplers) == exit_codes.OK
+    named = [r["weights_dir"] for r in samplers[0].requests if r["attempt"] == 0]
+    start, one, three = str(warm_model), str(published(cfg, 2)), str(published(cfg, 4))
+    assert named == [start, start, one, one, three]  # steps 0..4; the last step (5) is published too
+    assert sorted(p.name for p in (cfg.run_dir / "weights").iterdir()) == ["step_00000002", "step_00000004",
+                                                                         "step_00000005"]
+
+
+def test_resume_discards_weights_published_after_its_checkpoint(warm_model, tmp_path):
+    straight = make_config(tmp_path / "straight", warm_model, checkpoint={"every": 50})
+    assert run(straight, []) == exit_codes.OK
+    expected = step_rows(straight.run_dir)
+
+    # Stopped after step 2 (its checkpoint), then weights of steps 3..5 appear, as if the run had
+    # published them and died before its next checkpoint; the relaunch must not use them.
+    cfg = make_config(tmp_path / "crashed", warm_model, checkpoint={"every": 50}, train={"steps": 6})
+    stopper = make_config(tmp_path / "crashed", warm_model, checkpoint={"every": 50}, run={"max_wall_seconds": 1e-6})
+    assert run(stopper, []) == exit_codes.RESUMABLE_STOP  # step 1
+    assert run(stopper, []) == exit_codes.RESUMABLE_STOP  # step 2
+    planted = json.loads((published(cfg, 2) / "manifest.json").read_text())["content_id"]
+    for step in (3, 4, 5):
+        shutil.copytree(published(cfg, 2), published(cfg, step))
+    samplers: list = []
+    assert run(cfg, samplers) == exit_codes.OK
+    named = [r["weights_dir"] for r in samplers[0].requests if r["attempt"] == 0]
+    assert named[0] == str(published(cfg, 2))
+    assert named[1:] == [str(published(cfg, s)) for s in (3, 4, 5)]
+    fresh = [r["content_id"] for r in samplers[0].requests if r["attempt"] == 0][1:]
+    assert planted not in fresh  # the planted copies were discarded, then published anew
+    assert step_rows(cfg.run_dir) == expected

@@ -24,7 +24,7 @@ from trainer_svc.loop import train
 from trainer_svc.rewards import Verifier
 from trainer_svc.rollout import Sample
 
-TIMING_KEYS = {"rollout_s", "train_s", "save_s", "step_s"}
+TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 
 
 class Recording(TorchSampler):
@@ -216,11 +216,11 @@ def test_the_canary_answers_held_out_problems_greedily(warm_model, tmp_path):
     launcher = Launcher()
     assert train(cfg, make_sampler=launcher) == exit_codes.OK
 
-    # a row for the starting model (step 0), then one every 2 steps, from that step's checkpoint
+    # a row for the starting model (step 0), then one every 2 steps, from that step's published weights
     rows = canary_rows(cfg.run_dir)
     assert [r["step"] for r in rows] == [0, 2, 4, 6]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["n"] == 5 for r in rows)
-    weights = [str(warm_model)] + [str(step_dir(cfg.run_dir, s)) for s in (2, 4, 6)]
+    weights = [str(warm_model)] + [str(cfg.run_dir / "weights" / f"step_{s:08d}") for s in (2, 4, 6)]
     assert [r["weights_dir"] for r in rows] == weights
 
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
@@ -231,9 +231,9 @@ def test_the_canary_answers_held_out_problems_greedily(warm_model, tmp_path):
         (s, 1, 0.0, canary_prompts, w) for s, w in zip((0, 2, 4, 6), weights)
     ]
     assert calls[0]["content_id"] is None
-    # the content id each checkpoint had when the next step sampled from it (steps 2 and 4 are pruned by now)
+    # the content id the published weights had when the next step sampled from them
     content = {c["step"]: c["content_id"] for c in launcher.calls("train") if c["attempt"] == 0}
-    content[6] = json.loads((step_dir(cfg.run_dir, 6) / "manifest.json").read_text())["content_id"]
+    content[6] = json.loads((cfg.run_dir / "weights" / "step_00000006" / "manifest.json").read_text())["content_id"]
     assert [c["content_id"] for c in calls[1:]] == [content[s] for s in (2, 4, 6)] and None not in {content[s] for s in (2, 4, 6)}
     assert all(len(g.samples) == 1 for c in calls for g in c["groups"])
     # the recorded accuracy is the greedy answers' accuracy

@@ -38,12 +38,13 @@ def _load(config: Path, smoke: bool):
 
 def check_before_work(cfg, *, need_model: bool = True) -> None:
     """Cheap checks that would otherwise fail after minutes of model loading."""
-    from .preflight import PreflightError, check_model_dir, check_run_dir, check_spool
+    from .preflight import PreflightError, check_model_dir, check_publish_dir, check_run_dir, check_spool
 
     try:
         if need_model:
             check_model_dir(Path(cfg.model.path))
         check_run_dir(cfg.run_dir)
+        check_publish_dir(cfg.publish_dir)
         check_spool(cfg)
     except PreflightError as exc:
         raise _fail(exc.exit_code, str(exc)) from None

@@ -71,9 +71,13 @@ class RolloutConfig(Struct):
     max_tokens: Positive = 4
     temperature: PositiveFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    max_policy_lag: NonNegative = 0  # steps rollouts may lag the trainer (checkpoint.every - 1)
+    max_policy_lag: NonNegative = 0  # steps rollouts may lag the trainer (publish.every - 1 allowed)
     timeout_s: PositiveFloat = 600.0  # longest wait for one step's rollouts
     no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
+    # One GPU for both: the spawned worker shares training rank 0's GPU, takes at most
+    # colocate_gpu_memory of it, and sleeps (weights and KV cache freed) while the trainer steps.
+    colocate: bool = False
+    colocate_gpu_memory: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.3
 
 
 class TrainConfig(Struct):
@@ -117,8 +121,20 @@ class RewardConfig(Struct):
                 raise ValueError(f"reward.{name} must be >= 0, got {getattr(self, name)}")
 
 
+class PublishConfig(Struct):
+    """Published weights: what rollout workers load. Publishing them is the weight sync."""
+
+    every: Positive = 1  # optimizer steps between publishes: rollouts lag the trainer by up to every - 1
+    dir: str = ""  # where they go; default <run.dir>/weights. A tmpfs or local NVMe root is fastest
+    keep_last: Positive = 3  # newest kept; older ones too while a pending or claimed request names them
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # serving dtype; auto: bfloat16 on GPU, else the model's
+
+
 class CheckpointConfig(Struct):
-    every: Positive = 1  # optimizer steps between saves: each save is a weight sync
+    """Resume checkpoints: weights, optimizer, RNG, scheduler, data cursor, tripwire. Also written at
+    every stop, at the end, and when the tripwire fires."""
+
+    every: Positive = 50  # optimizer steps between checkpoints
     keep_last: Positive = 3
 
 
@@ -164,6 +180,7 @@ class Config(Struct):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    publish: PublishConfig = msgspec.field(default_factory=PublishConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
     tripwire: TripwireConfig = msgspec.field(default_factory=TripwireConfig)
@@ -173,6 +190,10 @@ class Config(Struct):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir)
+
+    @property
+    def publish_dir(self) -> Path:
+        return Path(self.publish.dir) if self.publish.dir else self.run_dir / "weights"
 
     @property
     def spool_dir(self) -> Path:
@@ -213,6 +234,7 @@ def _resolve_paths(config: Config) -> Config:
         model=msgspec.structs.replace(config.model, path=resolve(config.model.path)),
         data=msgspec.structs.replace(config.data, path=resolve(config.data.path), band_file=resolve(config.data.band_file)),
         band=msgspec.structs.replace(config.band, out=resolve(config.band.out)),
+        publish=msgspec.structs.replace(config.publish, dir=resolve(config.publish.dir)),
         rollout=msgspec.structs.replace(
             config.rollout, spool=resolve(config.rollout.spool), rollout_venv=resolve(config.rollout.rollout_venv)
         ),
@@ -226,6 +248,7 @@ def smoke_shape(config: Config) -> Config:
         run=msgspec.structs.replace(config.run, dir=str(Path(config.run.dir).with_name(Path(config.run.dir).name + "-smoke"))),
         rollout=msgspec.structs.replace(config.rollout, prompts_per_step=4, samples_per_prompt=4),
         train=msgspec.structs.replace(config.train, steps=3, grad_accum=min(config.train.grad_accum, 2), warmup_steps=0),
+        publish=msgspec.structs.replace(config.publish, every=1),
         checkpoint=msgspec.structs.replace(config.checkpoint, every=1),
     )
 

@@ -68,13 +68,13 @@ def check_config(cfg: Config, world_size: int) -> None:
             f"into {world_size} ranks (torchrun --nproc_per_node) x train.grad_accum = {t.grad_accum}; change one of "
             f"them so that {world_size * t.grad_accum} divides {sequences}",
         )
-    lag = cfg.checkpoint.every - 1
+    lag = cfg.publish.every - 1
     if lag > r.max_policy_lag:
         raise GateRefused(
             "config",
-            f"checkpoint.every = {cfg.checkpoint.every}: each save is the weight sync, so rollouts would come from "
+            f"publish.every = {cfg.publish.every}: each publish is the weight sync, so rollouts would come from "
             f"weights up to {lag} steps old, more than rollout.max_policy_lag = {r.max_policy_lag}; "
-            "set checkpoint.every = 1, or raise rollout.max_policy_lag to allow the lag explicitly",
+            "set publish.every = 1, or raise rollout.max_policy_lag to allow the lag explicitly",
         )
     if not t.max_grad_norm > 0:
         raise GateRefused("config", "train.max_grad_norm must be set: unclipped GRPO updates blow up on outlier batches")
@@ -160,11 +160,13 @@ def physical_gpu(position: int) -> str:
     return visible.split(",")[position].strip() if visible else str(position)
 
 
-def rollout_gpu(world_size: int, cuda_devices: int) -> str | None:
-    """The physical GPU for a spawned worker: ROLLOUT_GPU (a position among the visible GPUs),
-    by default the first after the training ranks; None without GPUs."""
+def rollout_gpu(world_size: int, cuda_devices: int, colocate: bool = False) -> str | None:
+    """The physical GPU for a spawned worker: rank 0's when colocated; else ROLLOUT_GPU (a position
+    among the visible GPUs), by default the first after the training ranks; None without GPUs."""
     if cuda_devices == 0 and "ROLLOUT_GPU" not in os.environ:
         return None
+    if colocate:
+        return physical_gpu(0)
     return physical_gpu(int(os.environ.get("ROLLOUT_GPU", str(world_size))))
 
 
@@ -173,12 +175,22 @@ def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers
     if cfg.rollout.spawn:
         if cuda_devices == 0:
             return {"train_ranks": world_size, "rollout_device": "cpu"}
+        if cfg.rollout.colocate:
+            if world_size > 1:
+                raise GateRefused(
+                    "topology",
+                    f"rollout.colocate shares one GPU between one training process and its worker; this run has "
+                    f"{world_size} ranks: give the worker a GPU of its own (rollout.colocate = false)",
+                )
+            return {"train_ranks": 1, "rollout_device": "cuda:0 (shared with rank 0: rollout.colocate)"}
         gpu = os.environ.get("ROLLOUT_GPU", str(world_size))
         if not gpu.isdigit() or not world_size <= int(gpu) < cuda_devices:
             raise GateRefused(
                 "topology",
                 f"ROLLOUT_GPU={gpu}: training ranks use cuda:0..{world_size - 1} and {cuda_devices} GPUs are visible; "
-                f"the rollout worker needs its own visible GPU (set ROLLOUT_GPU to one of {list(range(world_size, cuda_devices)) or 'none: free a GPU'})",
+                f"the rollout worker needs its own visible GPU (set ROLLOUT_GPU to one of "
+                f"{list(range(world_size, cuda_devices)) or 'none: free a GPU'}), or shares rank 0's with "
+                "rollout.colocate = true (one rank only)",
             )
         return {"train_ranks": world_size, "rollout_device": f"cuda:{gpu}"}
     host = socket.gethostname()

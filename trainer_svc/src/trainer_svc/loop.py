@@ -4,7 +4,8 @@
         sample      rank 0 asks the rollout service for G samples of each prompt, scores them,
                     computes group advantages; every rank gets the result
         learn       clipped policy gradient over grad_accum micro-batches (and ranks), AdamW
-        save        a checkpoint every `checkpoint.every` steps: the next request names it
+        publish     the weights, every `publish.every` steps: the next requests name them (the sync)
+        save        a resume checkpoint every `checkpoint.every` steps, and at every stop
         canary      held-out accuracy every `canary.every` steps
         log         metrics.jsonl, progress bar
 
@@ -24,7 +25,7 @@ from protocol import exit_codes
 from . import checkpoint as ckpt
 from .config import Config
 from .run import MakeSampler, Run, setup
-from .sampling import WeightsRef, summarize
+from .sampling import summarize
 from .train_step import learn
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,15 @@ def steps(run: Run) -> int:
         return exit_codes.TRIPWIRE
     run.canary.maybe_run(state.step, run.weights)  # the starting point, or one a stop left undone
     while state.step < cfg.train.steps:
-        timer = StepTimer("rollout", "train", "save")
+        timer = StepTimer("rollout", "train", "publish", "save")
         with timer.phase("rollout"):
             rollouts = run.sample(state.step, run.weights)
         with timer.phase("train"):
             stats = learn(run.policy, rollouts, cfg, run.dist)
         state.step += 1
+        if run.sync.due(state.step):
+            with timer.phase("publish"):
+                run.weights = run.sync.publish(run.policy.model, state.step)
         row = {"step": state.step, **summarize(rollouts), **stats}
         tripped = run.tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"])
         stopping, tripping = run.stop.agreed(run.dist, tripped is not None)
@@ -75,8 +79,7 @@ def steps(run: Run) -> int:
 
 
 def save(run: Run, pin_reason: str | None = None) -> None:
-    """Save the checkpoint the next rollout request will name: this is the weight sync. A
-    checkpoint saved as the tripwire fires is pinned (never pruned)."""
+    """Save a resume checkpoint; one saved as the tripwire fires is pinned (never pruned)."""
     trainer_state = {
         "step": run.state.step,
         "horizon": run.cfg.train.steps,
@@ -85,9 +88,7 @@ def save(run: Run, pin_reason: str | None = None) -> None:
         "tripwire": run.tripwire.state_dict(),
         "started_at": run.state.started_at,
     }
-    saved = ckpt.save_and_prune(run.cfg, run.state.step, run.policy, trainer_state, run.dist, pin_reason)
-    run.latest = saved
-    run.weights = WeightsRef(str(saved.path), saved.content_id, saved.step)
+    run.latest = ckpt.save_and_prune(run.cfg, run.state.step, run.policy, trainer_state, run.dist, pin_reason)
 
 
 class StepTimer:

@@ -36,12 +36,20 @@ def check_model_dir(path: Path) -> None:
 
 
 def check_run_dir(run_dir: Path) -> None:
+    _check_writable(run_dir, "run directory", "run.dir")
+
+
+def check_publish_dir(publish_dir: Path) -> None:
+    _check_writable(publish_dir, "publish directory", "publish.dir")
+
+
+def _check_writable(path: Path, what: str, key: str) -> None:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-check-"):
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise PreflightError(f"run directory {run_dir} cannot be written ({exc.strerror}); choose another run.dir") from None
+        raise PreflightError(f"{what} {path} cannot be written ({exc.strerror}); choose another {key}") from None
 
 
 def check_spool(cfg: Config) -> None:

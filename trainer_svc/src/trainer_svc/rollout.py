@@ -83,13 +83,17 @@ class RolloutService:
             "--worker-id", f"{cfg.run_dir.name[:40]}-rollout",
             "--weights", cfg.model.path,
             "--allowed-root", str(Path(cfg.model.path).parent),
-            "--allowed-root", str(cfg.run_dir / "checkpoints"),
+            "--allowed-root", str(cfg.publish_dir),
             "--idle-exit", str(WORKER_IDLE_EXIT_S),
             *cfg.rollout.worker_args,
         ]
-        (cfg.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        cfg.publish_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        gpu = rollout_gpu(self.world_size, self.cuda_devices)
+        gpu = rollout_gpu(self.world_size, self.cuda_devices, colocate=cfg.rollout.colocate)
+        if gpu is not None and cfg.rollout.colocate:
+            # Its share of the GPU, and asleep (weights and KV cache freed) whenever it has no
+            # request: while the trainer steps.
+            command += ["--gpu-memory-utilization", str(cfg.rollout.colocate_gpu_memory), "--sleep-when-idle", "0"]
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         log.info("starting rollout worker: %s (log: %s)", " ".join(command), self.log_path)

@@ -31,6 +31,7 @@ from .rewards import Verifier
 from .sampling import Sampler, StepSampler, WeightsRef
 from .train_step import Policy, make_optimizer, make_scheduler
 from .tripwire import CollapseTripwire
+from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class Run:
     tripwire: CollapseTripwire
     state: RunState
     latest: Checkpoint | None  # the newest checkpoint: what a relaunch resumes from
-    weights: WeightsRef  # what rollout requests name: the newest weights
+    weights: WeightsRef  # what rollout requests name: the newest published weights
+    sync: WeightSync
     sample: StepSampler
     canary: Canary
     out: Outputs
@@ -83,8 +85,12 @@ class Run:
 
     def stage_result(self, exit_code: int) -> dict:
         return outputs.stage_result(
-            stage=self.stage, banner=self.banner, exit_code=exit_code, rows=outputs.read_metrics(self.cfg.run_dir),
-            checkpoint=self.latest.path if self.latest else None, canary_history=self.canary.history,
+            stage=self.stage,
+            banner=self.banner,
+            exit_code=exit_code,
+            rows=outputs.read_metrics(self.cfg.run_dir),
+            checkpoint=self.latest.path if self.latest else None,
+            canary_history=self.canary.history,
             tripwire=self.tripwire.as_log_dict(),
         )
 
@@ -103,28 +109,43 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     verifier = Verifier()
-    gate_figures = gates.run_all(cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier)
+    gate_figures = gates.run_all(
+        cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier
+    )
     if dist_info.is_main:  # only a config that passed the gates becomes the run's
         (cfg.run_dir / "config.resolved.toml").write_bytes(dump(cfg))
 
     policy = load_trainable(cfg, dist_info, tokenizer)
     stream = PromptStream(train_problems, seed=cfg.run.seed)
     tripwire = CollapseTripwire(cfg.tripwire, cfg.rollout.max_tokens)
-    state, latest = ckpt.restore(cfg.run_dir, policy.model, policy.optimizer, policy.scheduler, stream, tripwire, dist_info)
+    state, latest = ckpt.restore(
+        cfg.run_dir, policy.model, policy.optimizer, policy.scheduler, stream, tripwire, dist_info
+    )
     gates.check_horizon(policy.scheduler.total_steps, cfg, state.horizon)
     banner = outputs.banner(cfg, stage, latest.path if latest else None, len(train_problems), gate_figures)
     log.info("BANNER %s", json.dumps(banner, indent=1))
 
     needs_rollouts = dist_info.is_main and state.step < cfg.train.steps and not tripwire.fired
     sampler = make_rollout_sampler(cfg, make_sampler, dist_info) if needs_rollouts else None
-    weights = WeightsRef(str(latest.path), latest.content_id, latest.step) if latest else WeightsRef(cfg.model.path)
+    sync = WeightSync(cfg, dist_info)
+    weights = sync.resume(policy.model, state.step)
     return Run(
-        cfg=cfg, stage=stage, dist=dist_info, policy=policy, stream=stream, verifier=verifier, tripwire=tripwire,
-        state=state, latest=latest, weights=weights,
+        cfg=cfg,
+        stage=stage,
+        dist=dist_info,
+        policy=policy,
+        stream=stream,
+        verifier=verifier,
+        tripwire=tripwire,
+        state=state,
+        latest=latest,
+        weights=weights,
+        sync=sync,
         sample=StepSampler(sampler, stream, verifier, cfg, dist_info),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step) if dist_info.is_main else Outputs.silent(),
-        banner=banner, stop=StopRequest(cfg.run.max_wall_seconds),
+        banner=banner,
+        stop=StopRequest(cfg.run.max_wall_seconds),
     )
 
 
@@ -134,6 +155,8 @@ def setup_process(cfg: Config, dist_info: Distributed) -> None:
     hf_logging.disable_progress_bar()  # a bar per checkpoint save would bury the run's own
     if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
+    if dist_info.device.type == "cuda" and cfg.rollout.colocate:  # the worker's share stays the worker's
+        torch.cuda.set_per_process_memory_fraction(1.0 - cfg.rollout.colocate_gpu_memory, dist_info.device)
     torch.manual_seed(cfg.run.seed + dist_info.rank)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)

@@ -9,6 +9,7 @@ the gradient, and the step's size stays what the config says).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,6 +53,8 @@ class StepRollouts:
     dead_initial: int  # dead groups in the first sampling
     dead_final: int  # dead groups left after the retries
     retries: int  # extra requests made
+    generate_s: float = 0.0  # waiting for the rollout service (generation, queueing, reloads)
+    score_s: float = 0.0  # rewards: answer extraction, verifier, shaping
     stats: dict = field(default_factory=dict)
 
 
@@ -65,6 +68,8 @@ class StepSampler:
 
     def __call__(self, step: int, weights: WeightsRef) -> StepRollouts:
         local = None
+        if self.cfg.rollout.colocate and self.dist.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks the trainer cached are the memory a waking worker needs
         if self.sampler is not None:
             local = sample_step(self.sampler, self.stream, self.verifier, self.cfg, step=step, weights=weights)
         if self.dist.world_size == 1:
@@ -88,16 +93,21 @@ def sample_step(
     weights: WeightsRef,
 ) -> StepRollouts:
     problems = stream.take(cfg.rollout.prompts_per_step)
+    spent = {"generate": 0.0, "score": 0.0}
 
     def sample_and_score(batch: list[Problem], attempt: int):
+        began = time.monotonic()
         groups = sampler.sample(
             [p.prompt for p in batch], weights_dir=weights.dir, content_id=weights.content_id, step=step, attempt=attempt,
             seed=cfg.run.seed * 1_000_003 + step * 101 + attempt,
         )
+        sampled = time.monotonic()
         scored = [
             score([(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)
             for p, g in zip(batch, groups, strict=True)
         ]
+        spent["generate"] += sampled - began
+        spent["score"] += time.monotonic() - sampled
         return groups, scored
 
     groups, breakdowns = sample_and_score(problems, 0)
@@ -121,7 +131,10 @@ def sample_step(
         order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
         rewards = rewards.flatten()[order].view_as(rewards)
     advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
-    return StepRollouts(problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries)
+    return StepRollouts(
+        problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries, spent["generate"],
+        spent["score"],
+    )
 
 
 def _is_dead(breakdowns: list[RewardBreakdown]) -> bool:
@@ -141,4 +154,6 @@ def summarize(r: StepRollouts) -> dict:
         "dead_groups": r.dead_initial,
         "dead_groups_after_retry": r.dead_final,
         "retries": r.retries,
+        "generate_s": r.generate_s,
+        "score_s": r.score_s,
     }

@@ -1,0 +1,548 @@
+"""weights_writer: HF-layout safetensors written by us, byte for byte what save_pretrained writes,
+atomic under SIGKILL, refusing bad input with the previous directory intact, and the FSDP2 path
+on two gloo ranks.
+
+Run as a script, this file is also the child process of the kill, file-size and FSDP tests."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+torch.set_num_threads(1)
+
+from trainer_svc.model import Distributed  # noqa: E402
+from trainer_svc.weights_writer import (  # noqa: E402
+    MANIFEST,
+    TensorSpec,
+    TensorStream,
+    WeightsCorrupt,
+    iter_full_tensors,
+    omitted_names,
+    verify,
+    write_weights_dir,
+)
+
+CPU = Distributed(0, 1, torch.device("cpu"))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def load_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so that equality is bit equality (NaN payloads and -0.0 included)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bit_equal(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
+        assert torch.equal(bits(got[name]), bits(want[name])), name
+
+
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def build_llama(path: Path, *, tied: bool = True) -> Path:
+    """A tiny Llama; with `tied` its lm_head is its embedding table (tie_word_embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        tie_word_embeddings=tied,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("tied") / "model")
+
+
+def test_single_file_is_save_pretrained_byte_for_byte(tiny_model, tmp_path):
+    model = load_model(tiny_model)
+    model.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "out"
+    written = write_weights_dir(out, model.state_dict(), base_model=tiny_model, step=7, content_id="run-step_7-ab")
+
+    assert filecmp.cmp(out / "model.safetensors", tmp_path / "hf" / "model.safetensors", shallow=False)
+    assert_bit_equal(read_all(out), model.state_dict())
+    assert_bit_equal(load_model(out).state_dict(), model.state_dict())
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tiny_model / name).read_bytes(), name
+    manifest = verify(out, checksums=True)
+    assert (manifest["step"], manifest["content_id"], manifest["dtype"]) == (7, "run-step_7-ab", "float32")
+    assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {MANIFEST}
+    for name, entry in manifest["files"].items():
+        data = (out / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert written.bytes == sum(entry["size"] for entry in manifest["files"].values())
+    assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # no staging left behind
+
+
+def test_shards_and_index_are_save_pretrained_byte_for_byte(tiny_model, tmp_path):
+    model = load_model(tiny_model)
+    model.save_pretrained(tmp_path / "hf", max_shard_size=400_000)
+    out = tmp_path / "out"
+    write_weights_dir(out, model.state_dict(), base_model=tiny_model, step=1, content_id="c", max_shard_bytes=400_000)
+
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+    for name in [*shards, "model.safetensors.index.json"]:
+        assert filecmp.cmp(out / name, tmp_path / "hf" / name, shallow=False), name
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert_bit_equal(load_model(out).state_dict(), model.state_dict())
+    verify(out, checksums=True)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 65536])
+def test_chunks_and_cast_give_the_same_bytes(tiny_model, tmp_path, chunk_bytes):
+    """Small chunks split tensors across chunks and pack several tensors into one; the output
+    must not depend on it. Casting chunk by chunk equals casting each whole tensor."""
+    state = load_model(tiny_model).state_dict()
+    for dtype in (torch.float32, torch.bfloat16):
+        big = tmp_path / f"big-{dtype}"
+        small = tmp_path / f"small-{dtype}"
+        write_weights_dir(big, state, base_model=tiny_model, step=1, content_id="a", dtype=dtype)
+        write_weights_dir(
+            small,
+            state,
+            base_model=tiny_model,
+            step=1,
+            content_id="b",
+            dtype=dtype,
+            chunk_bytes=chunk_bytes,
+            max_shard_bytes=300_000,
+        )
+        assert_bit_equal(read_all(small), {k: v.to(dtype) for k, v in state.items()})
+        assert_bit_equal(read_all(big), read_all(small))
+        verify(small, checksums=True)
+
+
+def test_tied_weights_are_left_out_as_save_pretrained_does(tied_model, tmp_path):
+    model = load_model(tied_model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert omitted_names(model) == {"lm_head.weight"}
+    model.save_pretrained(tmp_path / "hf")
+    from_dict = tmp_path / "dict"
+    from_stream = tmp_path / "stream"
+    write_weights_dir(from_dict, model.state_dict(), base_model=tied_model, step=1, content_id="a")
+    write_weights_dir(from_stream, iter_full_tensors(model, CPU), base_model=tied_model, step=1, content_id="b")
+    for out in (from_dict, from_stream):
+        assert filecmp.cmp(out / "model.safetensors", tmp_path / "hf" / "model.safetensors", shallow=False)
+        assert "lm_head.weight" not in read_all(out)
+        reloaded = load_model(out)
+        assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+        assert_bit_equal(reloaded.state_dict(), model.state_dict())
+
+
+def test_stream_of_a_single_process_model(tiny_model, tmp_path):
+    model = load_model(tiny_model)
+    stream = iter_full_tensors(model, CPU)
+    assert not stream.collective
+    assert [spec.name for spec in stream.specs] == list(model.state_dict())
+    out = tmp_path / "out"
+    write_weights_dir(out, stream, base_model=tiny_model, step=3, content_id="c", chunk_bytes=8192)
+    assert_bit_equal(read_all(out), model.state_dict())
+    pairs = tmp_path / "pairs"  # a plain iterator of (name, tensor) is taken too
+    write_weights_dir(pairs, iter(model.state_dict().items()), base_model=tiny_model, step=3, content_id="p")
+    assert filecmp.cmp(out / "model.safetensors", pairs / "model.safetensors", shallow=False)
+    with pytest.raises(TypeError, match="pairs or a TensorStream"):
+        write_weights_dir(tmp_path / "bad", [torch.ones(2)], base_model=tiny_model, step=3, content_id="b")
+
+
+def test_rewrite_replaces_the_directory_in_place(tiny_model, tmp_path):
+    state = load_model(tiny_model).state_dict()
+    out = tmp_path / "out"
+    write_weights_dir(out, state, base_model=tiny_model, step=1, content_id="first")
+    doubled = {k: v * 2 for k, v in state.items()}
+    write_weights_dir(out, doubled, base_model=tiny_model, step=2, content_id="second")
+    assert verify(out, checksums=True)["content_id"] == "second"
+    assert_bit_equal(read_all(out), doubled)
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_verify_finds_truncation_corruption_and_strays(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    write_weights_dir(out, load_model(tiny_model).state_dict(), base_model=tiny_model, step=1, content_id="c")
+    shard = out / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+
+    data[len(data) // 2] ^= 0x01  # same size, one bit off
+    shard.write_bytes(bytes(data))
+    verify(out)  # sizes only: cheap, and blind to this
+    with pytest.raises(WeightsCorrupt, match="crc32"):
+        verify(out, checksums=True)
+
+    shard.write_bytes(bytes(data[:-1]))
+    with pytest.raises(WeightsCorrupt, match="model.safetensors has .* bytes"):
+        verify(out)
+
+    shard.write_bytes(bytes(data))
+    (out / "extra.safetensors").write_bytes(b"x")
+    with pytest.raises(WeightsCorrupt, match="extra.safetensors not in"):
+        verify(out)
+
+    (out / MANIFEST).unlink()
+    with pytest.raises(WeightsCorrupt, match="no readable manifest"):
+        verify(out)
+
+
+def previous(tiny_model: Path, out: Path) -> dict:
+    write_weights_dir(out, load_model(tiny_model).state_dict(), base_model=tiny_model, step=1, content_id="old")
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def assert_untouched(out: Path, before: dict) -> None:
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert os.listdir(out.parent) == [out.name]  # the staging directory is gone
+
+
+@pytest.mark.parametrize("case", ["non_contiguous", "integer", "meta"])
+def test_bad_tensor_is_refused_with_its_name_before_writing(tiny_model, tmp_path, case):
+    out = tmp_path / "out"
+    before = previous(tiny_model, out)
+    state = dict(load_model(tiny_model).state_dict())
+    bad = state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.1.mlp.up_proj.weight"] = {
+        "non_contiguous": bad.t(),
+        "integer": bad.to(torch.int32),
+        "meta": bad.to("meta"),
+    }[case]
+    expected = {
+        "non_contiguous": r"not contiguous.*tensor.contiguous\(\)",
+        "integer": "floating-point",
+        "meta": "meta device",
+    }[case]
+    with pytest.raises(ValueError, match=f"'model.layers.1.mlp.up_proj.weight'.*{expected}"):
+        write_weights_dir(out, state, base_model=tiny_model, step=2, content_id="new")
+    assert_untouched(out, before)
+
+
+def test_bad_tensor_in_a_stream_stops_the_write_mid_way(tiny_model, tmp_path):
+    """A stream's tensors are only seen as they arrive: the write stops there, nothing is published."""
+    out = tmp_path / "out"
+    before = previous(tiny_model, out)
+    state = load_model(tiny_model).state_dict()
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype, v.device) for k, v in state.items()]
+    bad = "model.layers.1.mlp.up_proj.weight"  # half-way through the file
+    arrived = []
+
+    def fetch(names):
+        for name in names:
+            arrived.append(name)
+            # same shape and values, column-major: not contiguous
+            yield name, (state[name].t().contiguous().t() if name == bad else state[name])
+
+    with pytest.raises(ValueError, match=f"'{bad}' is not contiguous"):
+        write_weights_dir(out, TensorStream(specs, fetch), base_model=tiny_model, step=2, content_id="new")
+    assert 1 < len(arrived) < len(state)
+    assert_untouched(out, before)
+
+
+def test_base_model_without_config_is_refused(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    before = previous(tiny_model, out)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        write_weights_dir(out, {"w": torch.ones(2)}, base_model=tmp_path / "empty", step=2, content_id="new")
+    (tmp_path / "empty").rmdir()
+    assert_untouched(out, before)
+
+
+def test_full_disk_names_the_tensor_and_keeps_the_previous_directory(tiny_model, tmp_path, monkeypatch):
+    """ENOSPC part-way through a shard (os.write fails once 600 kB are out)."""
+    import errno
+
+    out = tmp_path / "out"
+    before = previous(tiny_model, out)
+    real_write = os.write
+    budget = {"left": 600_000}
+
+    def write(fd, data):
+        if budget["left"] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_write(fd, data[: budget["left"]])
+        budget["left"] -= n
+        return n
+
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(OSError, match=r"model.safetensors failed: No space left on device\. .*free space") as info:
+        write_weights_dir(
+            out, load_model(tiny_model).state_dict(), base_model=tiny_model, step=2, content_id="n", chunk_bytes=65536
+        )
+    assert info.value.errno == errno.ENOSPC
+    assert "tensor 'model." in str(info.value)
+    monkeypatch.undo()
+    assert_untouched(out, before)
+
+
+def test_file_size_limit_in_a_child_process(tiny_model, tmp_path):
+    """A real EFBIG: RLIMIT_FSIZE below the shard's size, SIGXFSZ ignored, in a child process."""
+    out = tmp_path / "out"
+    before = previous(tiny_model, out)
+    child = subprocess.run(
+        [sys.executable, __file__, "fsize", str(out), str(tiny_model), "700000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 3, child.stdout + child.stderr
+    assert "File too large" in child.stdout and "tensor 'model." in child.stdout, child.stdout
+    assert_untouched(out, before)
+
+
+def expected_state(step: int) -> dict[str, torch.Tensor]:
+    """What the kill test's child writes at `step`: different values every step, two shards."""
+    g = torch.Generator().manual_seed(step)
+    return {f"layer.{i}.weight": torch.randn(256, 1024, generator=g) for i in range(4)}
+
+
+@pytest.mark.timeout(500)
+def test_sigkill_at_random_points_leaves_old_or_new_directory(tiny_model, tmp_path):
+    """A child rewrites one directory again and again (each write replaces the last); it is
+    SIGKILLed at random delays. After every kill the directory is complete and verifies, and is
+    the last write the child reported or the one after; anything else is a hidden .partial sibling."""
+    out = tmp_path / "weights" / "current"
+    rng = random.Random(1234)
+    leftovers_seen = 0
+    for kill in range(25):
+        start = verify(out)["step"] if out.exists() else 0
+        child = subprocess.Popen(
+            [sys.executable, __file__, "rewrite", str(out), str(tiny_model)], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout.readline().strip() == "ready"
+        try:
+            child.wait(timeout=rng.uniform(0.0, 0.6))
+        except subprocess.TimeoutExpired:
+            pass
+        child.send_signal(signal.SIGKILL)
+        reported = [int(line) for line in child.stdout.read().split()]
+        child.wait()
+        last = reported[-1] if reported else start
+        manifest = verify(out, checksums=True)
+        assert manifest["step"] in (last, last + 1), (kill, manifest["step"], last)
+        assert_bit_equal(read_all(out), expected_state(manifest["step"]))
+        siblings = set(os.listdir(out.parent)) - {out.name}
+        assert all(name.startswith(f".{out.name}.") and name.endswith(".partial") for name in siblings), siblings
+        leftovers_seen += len(siblings)
+    # the next write clears what dead writers left
+    write_weights_dir(out, expected_state(0), base_model=tiny_model, step=0, content_id="final")
+    assert os.listdir(out.parent) == [out.name]
+    print(f"{leftovers_seen} leftovers seen after 25 kills")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the pinned-buffer path)")
+@pytest.mark.parametrize("chunk_bytes", [4096, 2**20, 64 * 2**20])
+def test_cuda_tensors_stream_through_pinned_buffers(tmp_path, chunk_bytes):
+    """CUDA tensors are cast to bf16 on the device and copied through two pinned buffers in turn:
+    the bytes equal save_pretrained's of the bf16 model, whatever the chunk size; float32 stays exact."""
+    base = build_llama(tmp_path / "base")
+    model = load_model(base).to("cuda")
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.randn(64))  # not all ones: a misplaced chunk shows
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    model.to(torch.float32)
+    out = tmp_path / "bf16"
+    write_weights_dir(
+        out,
+        iter_full_tensors(model, Distributed(0, 1, torch.device("cuda", 0))),
+        base_model=base,
+        step=1,
+        content_id="c",
+        chunk_bytes=chunk_bytes,
+    )
+    assert verify(out, checksums=True)["dtype"] == "bfloat16"
+    assert filecmp.cmp(out / "model.safetensors", tmp_path / "hf" / "model.safetensors", shallow=False)
+
+    big = {"a.weight": torch.randn(3_000_001, device="cuda"), "b.weight": torch.randn(17, 5, device="cuda")}
+    write_weights_dir(
+        tmp_path / "f32",
+        big,
+        base_model=base,
+        step=1,
+        content_id="c",
+        dtype=torch.float32,
+        chunk_bytes=chunk_bytes,
+        max_shard_bytes=8 * 2**20,
+    )
+    assert_bit_equal(read_all(tmp_path / "f32"), {k: v.cpu() for k, v in big.items()})
+    verify(tmp_path / "f32", checksums=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the pinned-buffer path)")
+def test_cuda_writer_waits_for_the_device(tmp_path):
+    """Each tensor is produced by kernels queued behind a ~50 ms sleep on the GPU, and the cast
+    and copies queue behind them: the writer must wait for every buffer's copies before writing it."""
+    base = build_llama(tmp_path / "base")
+    sizes = {"a.weight": 3 * 16384 + 5, "b.weight": 7, "c.weight": 2 * 16384}  # spans 1 to 4 chunks of 64 KiB
+    produced = {}
+
+    def fetch(names):
+        for name in names:
+            torch.cuda._sleep(100_000_000)
+            produced[name] = torch.arange(sizes[name], device="cuda", dtype=torch.float32) * 1.5 + len(name)
+            yield name, produced[name]
+
+    specs = [TensorSpec(n, (size,), torch.float32, torch.device("cuda", 0)) for n, size in sizes.items()]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = tmp_path / str(dtype)
+        write_weights_dir(
+            out, TensorStream(specs, fetch), base_model=base, step=1, content_id="c", dtype=dtype, chunk_bytes=65536
+        )
+        assert_bit_equal(read_all(out), {k: v.to(dtype).cpu() for k, v in produced.items()})
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_two_ranks_write_what_one_process_writes(tied_model, tmp_path):
+    """Each parameter gathered with full_tensor() and written by rank 0; tied weights too. A failure
+    on rank 0 (a base model without config.json) is raised on both ranks, and they stay in step.
+    Two CPU ranks over gloo; two GPUs over NCCL where the machine has them."""
+    untied = build_llama(tmp_path / "untied-base", tied=False)
+    env = dict(os.environ)
+    if torch.cuda.device_count() < 2:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # one GPU cannot hold two ranks: both on the CPU
+    run = subprocess.run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc_per_node=2",
+            __file__,
+            "fsdp",
+            str(tmp_path),
+            str(tied_model),
+            str(untied),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    outcome = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert sorted(o["rank"] for o in outcome) == [0, 1]
+    for o in outcome:
+        assert "no config.json" in o["error"], o
+    for name, base in (("tied", tied_model), ("untied", untied)):
+        model = load_model(base)
+        model.save_pretrained(tmp_path / f"hf-{name}")
+        out = tmp_path / name
+        verify(out, checksums=True)
+        assert filecmp.cmp(out / "model.safetensors", tmp_path / f"hf-{name}" / "model.safetensors", shallow=False)
+        assert_bit_equal(load_model(out).state_dict(), model.state_dict())
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+def _child_fsize(out: str, base: str, limit: str) -> int:
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write() instead of death by signal
+    state = load_model(Path(base)).state_dict()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
+    try:
+        write_weights_dir(Path(out), state, base_model=Path(base), step=2, content_id="new")
+    except OSError as exc:
+        print(exc)
+        return 3
+    return 0
+
+
+def _child_rewrite(out: str, base: str) -> int:
+    dest = Path(out)
+    step = verify(dest)["step"] if dest.exists() else 0
+    print("ready", flush=True)
+    while True:
+        step += 1
+        # small chunks and two shards: many write calls, so kills land everywhere
+        write_weights_dir(
+            dest,
+            expected_state(step),
+            base_model=Path(base),
+            step=step,
+            content_id=f"s{step}",
+            chunk_bytes=256 * 1024,
+            max_shard_bytes=2 * 2**20,
+        )
+        print(step, flush=True)
+
+
+def _child_fsdp(root: str, tied: str, untied: str) -> int:
+    import torch.distributed as dist
+
+    from trainer_svc.model import init_distributed, shard
+
+    dist_info = init_distributed()
+    for name, base in (("tied", tied), ("untied", untied)):
+        model = load_model(Path(base)).to(dist_info.device)
+        shard(model)
+        stream = iter_full_tensors(model, dist_info)
+        assert stream.collective
+        if name == "tied":
+            try:
+                write_weights_dir(
+                    Path(root) / "never",
+                    stream,
+                    base_model=Path(root) / "nowhere",
+                    step=1,
+                    content_id="x",
+                    dist_info=dist_info,
+                )
+            except (FileNotFoundError, RuntimeError) as exc:
+                print(json.dumps({"rank": dist_info.rank, "error": str(exc)}), flush=True)
+            stream = iter_full_tensors(model, dist_info)
+        # float32 on GPUs too, so the files equal the float32 save_pretrained's
+        written = write_weights_dir(
+            Path(root) / name,
+            stream,
+            base_model=Path(base),
+            step=1,
+            content_id=name,
+            dist_info=dist_info,
+            chunk_bytes=16384,
+            dtype=torch.float32,
+        )
+        assert (written is not None) == dist_info.is_main
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    children = {"fsize": _child_fsize, "rewrite": _child_rewrite, "fsdp": _child_fsdp}
+    sys.exit(children[sys.argv[1]](*sys.argv[2:]))

@@ -1,0 +1,258 @@
+"""Published weights: what rollout workers load, one directory per optimizer step.
+
+    publish_dir/step_00000012/      an HF weights directory written by weights_writer (manifest last)
+
+API:
+
+    publish(step, tensors, *, publish_dir, base_model, dist_info=None, run_name=None, dtype=None,
+            omit=(), max_shard_bytes=..., checksums=True) -> Published | None
+    latest_published(publish_dir) -> Published | None
+    list_published(publish_dir) -> list[Published]
+    discard_newer_than(publish_dir, step) -> list[Path]
+    prune_published(publish_dir, keep_last, spool_dir) -> list[Path]
+
+Guarantees:
+
+- A `step_NNNNNNNN` directory is complete whenever it exists: it is written in a hidden sibling
+  and renamed into place (see weights_writer). Hidden `.step_*.partial` entries are a crashed
+  writer's leftovers; publish and prune remove those whose process is gone.
+- Content ids follow the checkpoints' convention: `<run>-step_NNNNNNNN-<8 hex>`, unique per
+  write, in the manifest's `content_id`, which protocol.content_id reads, so a worker tells two
+  publications of one path apart and a request may demand one (`weights_content_id`).
+- Directories are removed by renaming them to a hidden `.partial` name first, then deleting: a
+  reader never sees a half-deleted step directory under its own name.
+- prune_published never removes one of the newest `keep_last`, nor a directory that a request
+  in the spool's `requests/` or `claimed/` names as `weights_dir` (same real path). A request
+  file that cannot be parsed protects every directory whose name appears in its bytes; one that
+  cannot be read at all (or a spool whose listing keeps changing under the scan) stops the prune.
+  Requests written after the scan are not seen: the trainer names only the newest weights, which
+  keep_last keeps.
+- discard_newer_than removes every step directory after `step` (a resumed run restores that
+  checkpoint; weights published after it belong to a future that will not happen). Requests still
+  naming them get `weights_not_found` from the worker.
+
+One process publishes into a publish_dir (rank 0 of the trainer). Use, each optimizer step, on
+every rank:
+
+    published = publish(step, iter_full_tensors(model, dist_info), publish_dir=..., base_model=...,
+                        dist_info=dist_info)
+    # rank 0: requests name published.path (weights_content_id=published.content_id), then
+    prune_published(publish_dir, keep_last, spool_dir)
+
+and on a resume from the checkpoint of step S, before the first publish: discard_newer_than(publish_dir, S).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from protocol.fsio import fsync_dir, read_regular_file
+
+from .model import Distributed
+from .weights_writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    MANIFEST,
+    PARTIAL_SUFFIX,
+    TensorStream,
+    remove_stale_partials,
+    write_weights_dir,
+)
+
+STEP_PREFIX = "step_"
+_SPOOL_STATES = ("requests", "claimed")  # where a request is pending or being served
+_MAX_REQUEST_BYTES = 64 * 2**20  # a worker refuses larger request files
+_SCAN_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class Published:
+    path: Path
+    step: int
+    content_id: str
+    bytes: int  # the directory's files, manifest excluded
+    seconds: float  # the write, on rank 0 (from the manifest when read back: up to the manifest's write)
+
+
+def published_dir(publish_dir: Path, step: int) -> Path:
+    return Path(publish_dir) / f"{STEP_PREFIX}{step:08d}"
+
+
+def publish(
+    step: int,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream | None,
+    *,
+    publish_dir: Path,
+    base_model: Path,
+    dist_info: Distributed | None = None,
+    run_name: str | None = None,
+    dtype: torch.dtype | None = None,
+    omit: Iterable[str] = (),
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    checksums: bool = True,
+) -> Published | None:
+    """Write `tensors` as publish_dir/step_NNNNNNNN (replacing one of that step, atomically).
+
+    `tensors`: iter_full_tensors(model, dist_info) on every rank (FSDP2: gathered one at a time),
+    or a mapping on rank 0. dtype None: bfloat16 for CUDA tensors, the tensors' own on CPU.
+    `run_name` prefixes the content id (default: publish_dir's parent's name, the run directory
+    when publish_dir is run_dir/published). checksums=False leaves the crc32s out of the manifest
+    (they add 3-28% to a publish on a GPU host, and double it on a busy 2-core CPU: docs/BENCHMARKS.md).
+    Returns the record on rank 0, None elsewhere."""
+    publish_dir = Path(publish_dir)
+    main = dist_info is None or dist_info.is_main
+    if main:
+        publish_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(publish_dir, STEP_PREFIX)
+    prefix = run_name or publish_dir.absolute().parent.name
+    content_id = f"{prefix}-{STEP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
+    written = write_weights_dir(
+        published_dir(publish_dir, step),
+        tensors,
+        base_model=Path(base_model),
+        step=step,
+        content_id=content_id,
+        dtype=dtype,
+        omit=omit,
+        max_shard_bytes=max_shard_bytes,
+        checksums=checksums,
+        dist_info=dist_info,
+    )
+    if written is None:
+        return None
+    return Published(written.path, step, content_id, written.bytes, written.seconds)
+
+
+def list_published(publish_dir: Path) -> list[Published]:
+    """The complete step directories (with a readable manifest), oldest first."""
+    found = []
+    for path in _step_dirs(publish_dir):
+        try:
+            manifest = json.loads((path / MANIFEST).read_bytes())
+            found.append(
+                Published(
+                    path,
+                    int(manifest["step"]),
+                    str(manifest["content_id"]),
+                    int(manifest.get("bytes", 0)),
+                    float(manifest.get("write_seconds", 0.0)),
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not written by publish: left alone, never reported
+    return sorted(found, key=lambda p: p.step)
+
+
+def latest_published(publish_dir: Path) -> Published | None:
+    found = list_published(publish_dir)
+    return found[-1] if found else None
+
+
+def discard_newer_than(publish_dir: Path, step: int) -> list[Path]:
+    """Remove every step directory after `step` (complete or not); returns them."""
+    doomed = [path for path in _step_dirs(publish_dir) if _step_of(path) > step]
+    _remove(doomed)
+    return doomed
+
+
+def prune_published(publish_dir: Path, keep_last: int, spool_dir: Path | None) -> list[Path]:
+    """Remove published directories beyond the newest `keep_last` that no pending or claimed
+    request names (spool_dir None: no spool to ask, keep_last alone decides). Returns them."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1 (the newest weights are in use), not {keep_last}")
+    publish_dir = Path(publish_dir)
+    remove_stale_partials(publish_dir, STEP_PREFIX)
+    candidates = [p.path for p in list_published(publish_dir)[:-keep_last]]
+    if not candidates:
+        return []
+    if spool_dir is not None:
+        named = _named_by_spool(Path(spool_dir))
+        if named is None:
+            return []
+        paths, raw = named
+        candidates = [
+            path
+            for path in candidates
+            if os.path.realpath(path) not in paths and not any(path.name.encode() in text for text in raw)
+        ]
+    _remove(candidates)
+    return candidates
+
+
+def _step_dirs(publish_dir: Path) -> list[Path]:
+    try:
+        entries = list(Path(publish_dir).iterdir())
+    except FileNotFoundError:
+        return []
+    return sorted(p for p in entries if _step_of(p) is not None and p.is_dir())
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name[len(STEP_PREFIX) :]
+    return int(digits) if path.name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
+def _remove(paths: list[Path]) -> None:
+    if not paths:
+        return
+    hidden = []
+    for path in paths:
+        aside = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        os.rename(path, aside)  # gone from its name at once; the slow delete happens out of sight
+        hidden.append(aside)
+    fsync_dir(paths[0].parent)
+    for aside in hidden:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _named_by_spool(spool_dir: Path) -> tuple[set[str], list[bytes]] | None:
+    """Real paths that requests in requests/ and claimed/ name as weights_dir, and the raw bytes of
+    request files that do not parse. None when that cannot be known: a file that cannot be read, or
+    requests moving between states faster than the scan settles."""
+    for state in _SPOOL_STATES:
+        if not (spool_dir / state).is_dir():
+            raise FileNotFoundError(f"{spool_dir} is not a spool (no {state}/): pass the rollout spool, or None")
+    paths: set[str] = set()
+    raw: list[bytes] = []
+    previous = None
+    for _ in range(_SCAN_ROUNDS):
+        # A request moves requests/ -> claimed/ (claim) and back (a dead worker's lease): a file can
+        # slip past one listing of each. Scan until two rounds see the same files and none vanished.
+        seen, settled = set(), True
+        for state in _SPOOL_STATES:
+            for entry in (spool_dir / state).iterdir():
+                if not entry.name.endswith(".json"):
+                    continue
+                try:
+                    data = read_regular_file(entry, _MAX_REQUEST_BYTES)
+                except FileNotFoundError:
+                    settled = False  # moved on since the listing: it is somewhere the next round looks
+                    continue
+                except (OSError, ValueError):
+                    return None  # unreadable, not a regular file or too large: it might name anything
+                seen.add(entry.name.removesuffix(".json").split("@", 1)[0])
+                weights_dir = _weights_dir(data)
+                if weights_dir is None:
+                    raw.append(data)
+                else:
+                    paths.add(os.path.realpath(weights_dir))
+        if settled and seen == previous:
+            return paths, raw
+        previous = seen
+    return None
+
+
+def _weights_dir(data: bytes) -> str | None:
+    try:
+        request = json.loads(data)
+    except ValueError:
+        return None
+    value = request.get("weights_dir") if isinstance(request, dict) else None
+    return value if isinstance(value, str) and os.path.isabs(value) else None

@@ -1,0 +1,791 @@
+"""Write a model's weights as a Hugging Face directory, ourselves, at the speed of the medium.
+
+    dest/
+        config.json, generation_config.json, tokenizer files    copied byte for byte from base_model
+        model.safetensors                                      one file, or
+        model-00001-of-0000N.safetensors + model.safetensors.index.json   shards of max_shard_bytes
+        manifest.json                                          written last: step, content id, files
+
+API:
+
+    write_weights_dir(dest, tensors, *, base_model, step, content_id, dtype=None, omit=(),
+                      max_shard_bytes=..., chunk_bytes=..., checksums=True, dist_info=None) -> Written | None
+    iter_full_tensors(model, dist_info) -> TensorStream     every rank; under FSDP2 gathers one tensor at a time
+    omitted_names(model) -> set[str]                        what save_pretrained leaves out (tied duplicates)
+    verify(path, *, checksums=False) -> dict                the manifest, or WeightsCorrupt
+    serving_dtype(device) -> torch.dtype                    bfloat16 on GPU, None (the tensors' own) elsewhere
+
+`tensors` is a mapping name -> tensor, (name, tensor) pairs (collected first), or a TensorStream
+(names, shapes and dtypes known up front, tensors produced one at a time in the order the writer
+asks for: a safetensors header comes before the data, so the writer must know every shape first).
+
+Each file is a safetensors file as `safetensors.torch.save_file` writes it: 8-byte little-endian
+header length, compact JSON header (`__metadata__` {"format": "pt"}, then per tensor dtype, shape,
+data_offsets) padded with spaces to a multiple of 8, then the tensors back to back, sorted by name
+within each file; tensors go to shards in natural name order, a new shard when the next would pass
+max_shard_bytes, as save_pretrained splits them. The files' bytes equal save_pretrained's (tested).
+
+Guarantees:
+
+- Atomic: everything is written in a hidden sibling `.<name>.<pid>.partial` and renamed into place,
+  then the parent directory is fsynced. A reader sees no directory, the previous complete one, or
+  the new complete one, even if the writer is SIGKILLed at any point (tested). Replacing an existing
+  `dest` swaps the two directories in one step (renameat2 RENAME_EXCHANGE, Linux); where the
+  filesystem cannot, the old one is renamed aside first and `dest` is briefly absent.
+- Durable: one fsync per file, one for the new directory, one for the parent.
+- The manifest (`manifest.json`) is the last file written: step, content_id, dtype, bytes, and for
+  each other file its size and crc32 (computed on the chunks as they are written, no extra read).
+  `verify` checks the sizes (cheap), and with checksums=True reads everything back.
+- Streaming: tensors go from their device to the file in chunks of chunk_bytes. CUDA tensors are
+  cast on the device, copied into two pinned host buffers in turn (the copy of one overlaps the
+  write of the other); CPU tensors of the target dtype are written straight from their memory.
+  Small tensors share a chunk. The crc32 of a chunk runs in a helper thread while the chunk is
+  written, and each written range is handed to the kernel's writeback at once (sync_file_range),
+  so the final fsync waits only for the tail.
+- Bad input is refused before anything is written when it is known up front (a non-floating-point
+  dtype, a non-contiguous tensor of a mapping, a missing config.json), otherwise when the tensor
+  arrives; the error names the tensor and what to do. A failed write (a full disk: ENOSPC, EFBIG,
+  EDQUOT) names the file and the tensor being written. In every case the staging directory is
+  removed and any previous `dest` is untouched.
+- Under FSDP2 every rank calls write_weights_dir with iter_full_tensors(model, dist_info): each
+  parameter is gathered (DTensor.full_tensor(), in the same order on every rank) and written by
+  rank 0 one at a time, so the whole model is never held in memory. If rank 0 fails, it still
+  takes part in the remaining gathers, and all ranks raise (rank 0 broadcasts the outcome), so no
+  rank is left waiting in a collective.
+
+Tensor names are the model's state_dict names, which is what save_pretrained writes for Llama,
+Qwen2 and other models without a checkpoint conversion mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from protocol.fsio import FILE_MODE, fsync_dir, write_synced
+
+from .model import Distributed
+
+MANIFEST = "manifest.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Config and tokenizer files a serving engine reads beside the weights, copied byte for byte so a
+# rollout worker recognises the same architecture and tokenizer and reloads in place.
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the shard size most published checkpoints use
+PARTIAL_SUFFIX = ".partial"
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_FULL_DISK = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_THREADED_CRC_MIN = 1 << 20  # below this a chunk's crc is cheaper than a hand-off to the helper thread
+
+
+class WeightsCorrupt(ValueError):
+    """A weights directory whose manifest, files, sizes or checksums do not agree."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device  # where the tensor will come from (a DTensor's local device)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+class TensorStream:
+    """Tensors known by name, shape and dtype up front, produced one at a time.
+
+    `fetch(names)` yields (name, tensor) in the order asked for; iterating the stream yields them
+    in the order of `specs`. A `collective` stream must be consumed in the same order on every
+    rank (each tensor is an all-gather); only rank 0's tensors are meaningful.
+    """
+
+    def __init__(
+        self,
+        specs: Iterable[TensorSpec],
+        fetch: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]],
+        *,
+        collective: bool = False,
+    ):
+        self.specs = tuple(specs)
+        self.fetch = fetch
+        self.collective = collective
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.fetch([spec.name for spec in self.specs])
+
+
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    step: int
+    content_id: str
+    bytes: int  # every file but the manifest
+    seconds: float  # from the call to the rename into place, on rank 0
+    files: dict  # name -> {"size", "crc32"}, as in the manifest
+
+
+def serving_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The dtype rollout engines serve in: bfloat16 on GPU; None (keep the tensors' own) elsewhere."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else None
+
+
+def omitted_names(model) -> set[str]:
+    """State-dict names save_pretrained leaves out: tied duplicates (lm_head.weight when it is
+    embed_tokens.weight) and the model's `_keys_to_ignore_on_save`.
+
+    Among names sharing one parameter, those matching the model's declared tied keys are dropped
+    (in sorted order) until one is left, as transformers does; undeclared aliases keep the first
+    name in state-dict order."""
+    import re
+
+    state = model.state_dict(keep_vars=True)  # tied names map to the same Parameter object
+    groups: dict[int, list[str]] = {}
+    for name, value in state.items():
+        groups.setdefault(id(value), []).append(name)
+    patterns = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or {}
+        patterns += [f"{prefix}.{key}" if prefix else key for key in tied]
+    omit = {name for name in (getattr(model, "_keys_to_ignore_on_save", None) or ()) if name in state}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        kept = list(names)
+        for name in sorted(names):
+            if len(kept) > 1 and any(re.search(pattern, name) for pattern in patterns):
+                kept.remove(name)
+        omit.update(name for name in names if name != kept[0])
+    return omit
+
+
+def iter_full_tensors(model, dist_info: Distributed) -> TensorStream:
+    """The model's weights as save_pretrained would save them, one full tensor at a time.
+
+    Every rank must call it and consume the stream in the same order (the writer does). Under
+    FSDP2 each DTensor parameter is gathered with full_tensor() when the writer asks for it; its
+    result is meaningful on rank 0 only. On one process the tensors are the model's own, no copy."""
+    from torch.distributed.tensor import DTensor
+
+    omit = omitted_names(model)
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in omit}
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype, v.device) for k, v in state.items()]
+
+    def fetch(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            value = state[name]
+            with torch.no_grad():
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+            yield name, full.detach()
+            del full  # freed before the next gather, so at most one gathered tensor is alive
+
+    collective = dist_info.world_size > 1 and any(isinstance(v, DTensor) for v in state.values())
+    return TensorStream(specs, fetch, collective=collective)
+
+
+def as_stream(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream, omit: Iterable[str] = ()
+) -> TensorStream:
+    """A mapping, or (name, tensor) pairs, become a stream; of names aliasing one tensor (tied
+    weights) the first is kept. Pairs are collected first (all their tensors held at once): to
+    stream, pass a TensorStream."""
+    omit = set(omit)
+    if isinstance(tensors, TensorStream):
+        if not omit:
+            return tensors
+        specs = [spec for spec in tensors.specs if spec.name not in omit]
+        return TensorStream(specs, tensors.fetch, collective=tensors.collective)
+    if not isinstance(tensors, Mapping):
+        tensors = _collect(tensors)
+    seen: set[tuple] = set()
+    kept: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name in omit:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor; leave it out")
+        _check_tensor(name, tensor)
+        alias = (
+            (
+                tensor.device,
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.dtype,
+            )
+            if tensor.numel()
+            else None
+        )
+        if alias is not None and alias in seen:
+            continue  # safetensors holds no aliases; save_pretrained drops tied duplicates too
+        if alias is not None:
+            seen.add(alias)
+        kept[name] = tensor
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype, v.device) for k, v in kept.items()]
+    return TensorStream(specs, lambda names: ((name, kept[name]) for name in names))
+
+
+def _collect(pairs) -> dict[str, torch.Tensor]:
+    try:
+        collected = {}
+        for name, tensor in pairs:
+            if not isinstance(name, str):
+                raise TypeError(f"a name is a {type(name).__name__}")
+            if name in collected:
+                raise ValueError(f"tensor {name!r} comes twice; names must be unique")
+            collected[name] = tensor
+        return collected
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"tensors must be a mapping name -> tensor, (name, tensor) pairs or a TensorStream ({exc})"
+        ) from exc
+
+
+def write_weights_dir(
+    dest: Path,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream | None,
+    *,
+    base_model: Path,
+    step: int,
+    content_id: str,
+    dtype: torch.dtype | None = None,
+    omit: Iterable[str] = (),
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    checksums: bool = True,
+    dist_info: Distributed | None = None,
+) -> Written | None:
+    """Write `tensors` as an HF weights directory at `dest` (see the module docstring).
+
+    `dtype` is the dtype written (None: bfloat16 for CUDA tensors, the tensors' own on CPU).
+    With a collective stream every rank calls this; rank 0 writes and returns Written, others
+    return None. With a mapping only rank 0 needs to call it (other ranks may pass None)."""
+    started = time.monotonic()
+    dest = Path(dest)
+    main = dist_info is None or dist_info.is_main
+    if tensors is None:
+        if main:
+            raise ValueError("rank 0 has no tensors to write")
+        return None
+    stream = as_stream(tensors, omit)
+    if stream.collective and dist_info is None:
+        raise ValueError("a collective stream (FSDP) needs dist_info: every rank would write otherwise")
+    target = dtype or _default_dtype(stream.specs)
+    for spec in stream.specs:
+        _check_spec(spec)
+    if target not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"cannot write dtype {target}; choose one of {', '.join(map(str, _SAFETENSORS_DTYPES))}")
+    if chunk_bytes < 4096 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes must be a multiple of 8 and at least 4096, not {chunk_bytes}")
+    shards = _plan_shards(stream.specs, target, max_shard_bytes)
+    source = stream.fetch([spec.name for shard in shards for spec in shard])
+    agree = stream.collective and dist_info is not None and dist_info.world_size > 1
+    error: BaseException | None = None
+    written = None
+    if main:
+        try:
+            written = _write(
+                dest,
+                source,
+                shards,
+                base_model=Path(base_model),
+                step=step,
+                content_id=content_id,
+                target=target,
+                chunk_bytes=chunk_bytes,
+                checksums=checksums,
+                started=started,
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            error = exc
+    if agree:
+        for _ in source:  # the gathers rank 0 did not reach (all of them on other ranks)
+            pass
+        import torch.distributed as dist
+
+        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(outcome, src=0)
+        if not main and outcome[0] is not None:
+            raise RuntimeError(f"rank 0 could not write {dest}: {outcome[0]}")
+    if error is not None:
+        raise error
+    return written
+
+
+def verify(path: Path, *, checksums: bool = False) -> dict:
+    """Check a weights directory against its manifest; returns the manifest.
+
+    Every listed file must exist with its recorded size, and every safetensors file present must be
+    listed; with checksums=True each file is read back and its crc32 compared (files written with
+    checksums=False have none: their size alone is checked). Raises WeightsCorrupt."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("files is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WeightsCorrupt(
+            f"{path}: no readable {MANIFEST} ({exc}); the directory is incomplete: write it again"
+        ) from exc
+    unlisted = sorted(p.name for p in path.glob("*.safetensors") if p.name not in files)
+    if unlisted:
+        raise WeightsCorrupt(f"{path}: {', '.join(unlisted)} not in {MANIFEST}; remove them or write it again")
+    for name, entry in files.items():
+        try:
+            size = os.stat(path / name).st_size
+        except OSError as exc:
+            raise WeightsCorrupt(
+                f"{path}: {name} is listed in {MANIFEST} but unreadable ({exc}); write it again"
+            ) from exc
+        if size != entry["size"]:
+            raise WeightsCorrupt(f"{path}: {name} has {size} bytes, the manifest says {entry['size']}; write it again")
+        if checksums and entry["crc32"] is not None and _file_crc32(path / name) != int(entry["crc32"], 16):
+            raise WeightsCorrupt(f"{path}: {name} does not match its crc32 in {MANIFEST}; write it again")
+    return manifest
+
+
+def staging_dir(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+
+
+def remove_stale_partials(parent: Path, stem: str = "") -> list[Path]:
+    """Remove hidden `.<stem>*.<pid>.partial` entries of `parent` whose writer is gone (no process
+    with that pid on this host, or this process). A live writer's staging is left alone."""
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith("." + stem) and name.endswith(PARTIAL_SUFFIX)):
+            continue
+        pid = name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[-1]
+        if not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, tensor: torch.Tensor) -> None:
+    _check_spec(TensorSpec(name, tuple(tensor.shape), tensor.dtype, tensor.device))
+    if tensor.layout != torch.strided:
+        raise ValueError(f"tensor {name!r} has layout {tensor.layout}; pass a dense tensor (tensor.to_dense())")
+    if not tensor.is_contiguous():
+        raise ValueError(f"tensor {name!r} is not contiguous (a transposed or sliced view?); pass tensor.contiguous()")
+
+
+def _check_spec(spec: TensorSpec) -> None:
+    if not spec.dtype.is_floating_point:
+        raise ValueError(
+            f"tensor {spec.name!r} has dtype {spec.dtype}; published weights hold floating-point "
+            "tensors only: leave it out (omit=...) or cast it"
+        )
+    if spec.device.type == "meta":
+        raise ValueError(f"tensor {spec.name!r} is on the meta device (no data); materialise the model first")
+
+
+def _default_dtype(specs: tuple[TensorSpec, ...]) -> torch.dtype:
+    if any(spec.device.type == "cuda" for spec in specs):
+        return torch.bfloat16
+    dtypes = {spec.dtype for spec in specs}
+    if len(dtypes) != 1:
+        raise ValueError(f"the tensors have dtypes {sorted(map(str, dtypes))}; pass dtype= to choose one")
+    return dtypes.pop()
+
+
+def _plan_shards(specs: tuple[TensorSpec, ...], target: torch.dtype, max_bytes: int) -> list[list[TensorSpec]]:
+    """save_pretrained's split: names in natural order (layer 2 before layer 10), a new shard when
+    the next tensor would pass max_bytes, a tensor larger than max_bytes alone in its own; within
+    a shard, sorted by name (safetensors' order)."""
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in sorted(specs, key=lambda spec: _natural_key(spec.name)):
+        nbytes = spec.numel * target.itemsize
+        if nbytes > max_bytes:
+            shards.append([spec])
+            continue
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return [sorted(shard, key=lambda spec: spec.name) for shard in shards]
+
+
+def _natural_key(name: str) -> tuple:
+    # transformers' dot_natural_key: numbers compare as numbers, and sort before words
+    parts = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+        else:
+            text = part.rstrip("0123456789")
+            parts.append((1, text, int(part[len(text) :])) if len(text) < len(part) else (1, part))
+    return tuple(parts)
+
+
+def _header(shard: list[TensorSpec], target: torch.dtype) -> bytes:
+    entries: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in shard:
+        end = offset + spec.numel * target.itemsize
+        entries[spec.name] = {
+            "dtype": _SAFETENSORS_DTYPES[target],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_bytes, checksums, started) -> Written:
+    if not (base_model / "config.json").is_file():
+        raise FileNotFoundError(f"{base_model} has no config.json: name the base model directory to copy it from")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(dest.parent, dest.name + ".")
+    staging = staging_dir(dest)
+    staging.mkdir()
+    try:
+        files: dict[str, dict] = {}
+        names = _shard_names(len(shards))
+        weight_map = {}
+        buffers = _Buffers(chunk_bytes, pinned=any(spec.device.type == "cuda" for shard in shards for spec in shard))
+        for shard, name in zip(shards, names, strict=True):
+            sink = _ShardFile(staging / name, buffers, checksums)
+            try:
+                sink.write(memoryview(_header(shard, target)), what="the header")
+                for spec in shard:
+                    tensor_name, tensor = next(source, (None, None))
+                    _check_arrival(spec, tensor_name, tensor)
+                    sink.append(spec.name, tensor, target)
+                    del tensor  # under FSDP a gathered tensor is freed before the next is gathered
+                    weight_map[spec.name] = name
+                files[name] = sink.finish()
+            finally:
+                sink.close()
+        if len(shards) > 1:
+            total = sum(spec.numel * target.itemsize for shard in shards for spec in shard)
+            params = sum(spec.numel for shard in shards for spec in shard)
+            index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
+            files[INDEX_FILE] = _write_small(
+                staging / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            )
+        for name in COPIED_FILES:
+            if (base_model / name).is_file():
+                files[name] = _write_small(staging / name, (base_model / name).read_bytes())
+        total_bytes = sum(entry["size"] for entry in files.values())
+        manifest = {
+            "step": step,
+            "content_id": content_id,
+            "base_model": str(base_model),
+            "dtype": str(target).removeprefix("torch."),
+            "bytes": total_bytes,
+            "checksum": "crc32" if checksums else None,
+            "files": files,
+            "write_seconds": round(time.monotonic() - started, 6),
+            "created_at": time.time(),
+        }
+        _write_small(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(staging)
+        _move_into_place(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Written(dest, step, content_id, total_bytes, time.monotonic() - started, files)
+
+
+def _check_arrival(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
+    if name is None:
+        raise ValueError(f"the tensor stream ended before {spec.name!r}, which its specs announce")
+    if name != spec.name:
+        raise ValueError(f"the tensor stream yielded {name!r} where {spec.name!r} was asked for")
+    if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+        raise ValueError(
+            f"tensor {name!r} arrived as {tensor.dtype} {tuple(tensor.shape)}, announced as "
+            f"{spec.dtype} {spec.shape}; a stream's specs must describe its tensors"
+        )
+    _check_tensor(name, tensor)
+
+
+def _write_small(path: Path, data: bytes) -> dict:
+    try:
+        write_synced(path, data)
+    except OSError as exc:
+        raise _write_error(exc, path, "the file") from exc
+    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def _write_error(exc: OSError, path: Path, what: str) -> OSError:
+    hint = (
+        " The filesystem is full or the file too large: free space there or publish elsewhere."
+        if exc.errno in _FULL_DISK
+        else ""
+    )
+    return OSError(
+        exc.errno,
+        f"writing {what} into {path} failed: {exc.strerror}.{hint} The previous weights directory is untouched",
+    )
+
+
+class _Buffers:
+    """Two staging buffers of chunk_bytes, pinned when tensors come from a GPU. They are kept for
+    the process's life: pinning, or first touching fresh pages, costs milliseconds per write."""
+
+    _cache: dict[tuple[int, bool], list[torch.Tensor]] = {}
+
+    def __init__(self, chunk_bytes: int, pinned: bool):
+        self.chunk_bytes = chunk_bytes
+        self.pinned = pinned
+
+    def get(self) -> list[torch.Tensor]:
+        key = (self.chunk_bytes, self.pinned)
+        if key not in self._cache:
+            for other in [k for k in self._cache if k[1] == self.pinned]:
+                del self._cache[other]  # one size of each kind at a time
+            self._cache[key] = [
+                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned) for _ in range(2)
+            ]
+        return self._cache[key]
+
+
+class _ShardFile:
+    """One safetensors file being appended to: size and crc32 counted as the bytes go out."""
+
+    def __init__(self, path: Path, buffers: _Buffers, checksums: bool):
+        self.path = path
+        self.buffers = buffers
+        self.checksums = checksums
+        self.size = 0
+        self.crc = 0
+        self.tensor = ""  # the tensor being written, for error messages
+        self._fill = 0  # bytes staged in the current buffer
+        self._current = 0  # which of the two buffers is being filled
+        self._pending: tuple[int, int, object] | None = None  # (buffer, bytes, CUDA event): staged, not written
+        self._staged_cuda = False  # the current buffer has copies from a GPU in flight
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise _write_error(exc, path, "a shard") from exc
+
+    def append(self, name: str, tensor: torch.Tensor, target: torch.dtype) -> None:
+        self.tensor = name
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() == 0:
+            return
+        if flat.device.type == "cpu" and flat.dtype == target:
+            self._flush_staged()  # the file's bytes stay in order
+            data = memoryview(flat.view(torch.uint8).numpy())
+            for start in range(0, len(data), self.buffers.chunk_bytes):
+                self.write(data[start : start + self.buffers.chunk_bytes])
+            return
+        self._stage(flat, target)
+
+    def _stage(self, flat: torch.Tensor, target: torch.dtype) -> None:
+        """Cast and copy into the staging buffers, chunk by chunk; a full buffer is written while
+        the other one fills (on CUDA the copies are asynchronous)."""
+        itemsize = target.itemsize
+        cuda = flat.device.type == "cuda"
+        pos, count = 0, flat.numel()
+        while pos < count:
+            take = min((self.buffers.chunk_bytes - self._fill) // itemsize, count - pos)
+            buffer = self.buffers.get()[self._current]
+            dst = buffer[self._fill : self._fill + take * itemsize].view(target)
+            src = flat[pos : pos + take]
+            if cuda:
+                # cast on the device (a chunk-sized temporary), then one DMA into pinned memory
+                dst.copy_(src.to(target), non_blocking=True)
+                self._staged_cuda = True
+            else:
+                dst.copy_(src)
+            self._fill += take * itemsize
+            pos += take
+            if self._fill == self.buffers.chunk_bytes:
+                self._rotate()
+
+    def _rotate(self) -> None:
+        event = None
+        if self._staged_cuda:  # the copies into this buffer are asynchronous: write it once they are done
+            event = torch.cuda.Event()
+            event.record()
+            self._staged_cuda = False
+        self._write_pending()
+        self._pending = (self._current, self._fill, event)
+        self._current ^= 1
+        self._fill = 0
+
+    def _write_pending(self) -> None:
+        if self._pending is None:
+            return
+        index, nbytes, event = self._pending
+        if event is not None:
+            event.synchronize()
+        self.write(memoryview(self.buffers.get()[index][:nbytes].numpy()))
+        self._pending = None
+
+    def _flush_staged(self) -> None:
+        if self._fill:
+            self._rotate()
+        self._write_pending()
+
+    def write(self, data: memoryview, *, what: str | None = None) -> None:
+        future = None
+        if self.checksums:
+            if len(data) >= _THREADED_CRC_MIN:
+                future = _crc_thread().submit(zlib.crc32, data, self.crc)
+            else:
+                self.crc = zlib.crc32(data, self.crc)
+        try:
+            view = data
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError as exc:
+            raise _write_error(exc, self.path, what or f"tensor {self.tensor!r}") from exc
+        finally:
+            if future is not None:
+                self.crc = future.result()
+        _start_writeback(self.fd, self.size, len(data))
+        self.size += len(data)
+
+    def finish(self) -> dict:
+        self._flush_staged()
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise _write_error(exc, self.path, "the end of the file") from exc
+        return {"size": self.size, "crc32": f"{self.crc:08x}" if self.checksums else None}
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _crc_thread() -> ThreadPoolExecutor:
+    # One thread, so a file's chunks are summed in order; zlib.crc32 releases the GIL on large buffers.
+    global _crc_pool
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crc32")
+    return _crc_pool
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(DEFAULT_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+_libc = None
+
+
+def _libc_fn(name: str):
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return getattr(_libc, name, None)
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing this range now (SYNC_FILE_RANGE_WRITE: no wait), so disk
+    writes overlap with the next chunk instead of all waiting for the final fsync."""
+    fn = _libc_fn("sync_file_range")
+    if fn is not None:
+        fn(ctypes.c_int(fd), ctypes.c_int64(offset), ctypes.c_int64(nbytes), ctypes.c_uint(2))
+
+
+def _move_into_place(staging: Path, dest: Path) -> None:
+    if os.path.lexists(dest):
+        if _exchange(staging, dest):  # staging now holds the old directory
+            fsync_dir(dest.parent)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        aside = dest.with_name(f".{dest.name}.old.{os.getpid()}{PARTIAL_SUFFIX}")
+        os.rename(dest, aside)
+        os.rename(staging, dest)
+        fsync_dir(dest.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    os.rename(staging, dest)
+    fsync_dir(dest.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = _libc_fn("renameat2")
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"swapping {a} with {b}: {os.strerror(err)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
