@@ -1,0 +1,210 @@
+"""VllmEngine's decisions, with its engine process replaced by a recording double: what a weight
+change costs (nothing, a reload in place, a wake, a rebuild in a new process), what reaches the
+engine process, and the defaults and refusals of its settings. No vLLM runs here; the real
+engine process is tested in tests/e2e (CPU) and tests/gpu."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import rollout_svc.engines.vllm as vllm_module
+from rollout_svc.engines.base import Completion
+from rollout_svc.engines.host import HostDied, HostError
+from rollout_svc.engines.vllm import VllmEngine
+from rollout_svc.tiny_model import build
+from rollout_svc.weights import WeightsPolicy
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeHost:
+    """An engine process that records the commands it gets; `fail` maps a command to the error
+    it raises next time."""
+
+    started: list[FakeHost] = []
+
+    def __init__(self, module, *, env=None, **_):
+        self.module, self.env = module, env
+        self.calls: list[tuple] = []
+        self.fail: dict[str, Exception] = {}
+        self.closed = False
+        self.dead = False
+        self.pid = 1000 + len(FakeHost.started)
+        FakeHost.started.append(self)
+
+    def alive(self) -> bool:
+        return not (self.closed or self.dead)
+
+    def call(self, command, *args):
+        self.calls.append((command, *args))
+        if command in self.fail:
+            raise self.fail.pop(command)
+        if command == "build":
+            return {"enforce_eager": args[0].enforce_eager, "cuda_graphs": 0, "pid": self.pid}
+        if command == "generate":
+            return [Completion([["x"]], [[[1]]], [[[-0.5]]], [["length"]], [[2]]) for _ in args[0]]
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def commands(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("models")
+    models = {"root": root, "a": build(root / "a", seed=0), "b": build(root / "b", seed=1)}
+    models["wide"] = build(root / "wide", seed=2, hidden=192)
+    models["retok"] = build(root / "retok", seed=0)
+    config = json.loads((models["retok"] / "tokenizer_config.json").read_text())
+    config["model_max_length"] += 1  # the same tokens, another tokenizer file
+    (models["retok"] / "tokenizer_config.json").write_text(json.dumps(config))
+    return models
+
+
+@pytest.fixture
+def engine(models, monkeypatch):
+    FakeHost.started = []
+    monkeypatch.setattr(vllm_module, "EngineHost", FakeHost)
+    return lambda **options: VllmEngine(policy=WeightsPolicy([str(models["root"])]), **options)
+
+
+def test_settings_follow_the_device():
+    cpu = VllmEngine(policy=WeightsPolicy())
+    gpu = VllmEngine(policy=WeightsPolicy(), device="cuda:0")
+    assert (cpu.spec.dtype, cpu.spec.enforce_eager, cpu.spec.sleep_mode) == ("float32", True, False)
+    assert (gpu.spec.dtype, gpu.spec.enforce_eager) == ("bfloat16", False)  # CUDA graphs on GPU
+    assert VllmEngine(policy=WeightsPolicy(), device="cuda:0", enforce_eager=True).spec.enforce_eager is True
+    assert VllmEngine(policy=WeightsPolicy(), device="cuda:0", sleep_level=1).spec.sleep_mode is True
+    assert cpu.name.startswith("vllm ")
+
+
+def test_sleep_is_refused_on_cpu_and_levels_other_than_1_and_2_everywhere():
+    with pytest.raises(ValueError, match="--sleep-when-idle.*CPU build"):
+        VllmEngine(policy=WeightsPolicy(), sleep_level=2)
+    with pytest.raises(ValueError, match="--sleep-level"):
+        VllmEngine(policy=WeightsPolicy(), device="cuda:0", sleep_level=3)
+
+
+def test_first_load_builds_then_the_same_weights_cost_nothing(engine, models):
+    e = engine()
+    first = e.load(str(models["a"]))
+    assert first.bytes > 0 and len(FakeHost.started) == 1
+    assert FakeHost.started[0].commands == ["build"] and FakeHost.started[0].module == vllm_module.HOST_MODULE
+    assert e.load(str(models["a"])) == vllm_module.ALREADY_LIVE
+    assert FakeHost.started[0].commands == ["build"] and e.weights_dir == str(models["a"])
+
+
+def test_same_architecture_and_tokenizer_reload_in_place(engine, models):
+    e = engine()
+    states = []
+    e.set_state_listener(states.append)
+    e.load(str(models["a"]))
+    load = e.load(str(models["b"]))
+    host = FakeHost.started[0]
+    assert len(FakeHost.started) == 1 and host.commands == ["build", "reload"]
+    assert host.calls[1][1].path == str(models["b"]) and load.bytes > 0
+    assert states == ["loading", "reloading"] and e.weights_dir == str(models["b"])
+
+
+@pytest.mark.parametrize("other", ["wide", "retok"])
+def test_another_architecture_or_tokenizer_closes_the_engine_process_and_builds_anew(engine, models, other):
+    e = engine()
+    e.load(str(models["a"]))
+    e.load(str(models[other]))
+    old, new = FakeHost.started
+    assert old.closed and old.commands == ["build"] and new.commands == ["build"]
+    assert e.host is new and e.weights_dir == str(models[other])
+
+
+def test_a_failed_reload_rebuilds(engine, models):
+    e = engine()
+    e.load(str(models["a"]))
+    FakeHost.started[0].fail["reload"] = HostError("StaleWeights: model.norm.weight")
+    e.load(str(models["b"]))
+    assert FakeHost.started[0].closed and len(FakeHost.started) == 2 and e.weights_dir == str(models["b"])
+
+
+def test_a_failed_build_leaves_no_process_and_no_weights(engine, models):
+    e = engine()
+    e.load(str(models["a"]))
+    original = FakeHost.__init__
+
+    def failing(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.fail["build"] = HostError("ValueError: no room on the device")
+
+    FakeHost.__init__ = failing
+    try:
+        with pytest.raises(HostError, match="no room"):
+            e.load(str(models["wide"]))
+    finally:
+        FakeHost.__init__ = original
+    assert all(h.closed for h in FakeHost.started) and e.host is None and e.weights_dir is None
+
+
+def test_an_engine_process_that_died_in_generate_is_closed_and_rebuilt_next_time(engine, models, make_request):
+    e = engine()
+    e.load(str(models["a"]))
+    host = FakeHost.started[0]
+    host.fail["generate"] = HostDied("engine process 1000 exited with -9")
+    request = make_request(weights_dir=str(models["a"]))
+    with pytest.raises(HostDied):
+        e.generate([request])
+    assert host.closed and e.weights_dir is None
+    [completion] = e.generate([request])
+    assert len(FakeHost.started) == 2 and completion.reload_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "level, weights, wake_reloads, bytes_read",
+    [(2, "a", True, True), (1, "a", False, False), (1, "b", True, True), (2, "b", True, True)],
+)
+def test_a_request_wakes_the_engine_reloading_only_what_the_sleep_discarded(
+    engine, models, make_request, level, weights, wake_reloads, bytes_read
+):
+    e = engine(device="cuda:0", sleep_level=level)
+    e.load(str(models["a"]))
+    host = FakeHost.started[0]
+    assert e.sleep() >= 0 and e.asleep and host.calls[-1] == ("sleep", level)
+    assert e.sleep() == 0.0 and host.commands.count("sleep") == 1  # asleep already
+    [completion] = e.generate([make_request(weights_dir=str(models[weights]))])
+    command, woken, reload = host.calls[-2]
+    assert (command, woken.path, reload) == ("wake", str(models[weights]), wake_reloads)
+    assert host.calls[-1][0] == "generate" and not e.asleep and len(FakeHost.started) == 1
+    assert (completion.reload_bytes > 0) == bytes_read and completion.reload_s > 0 and e.last_wake_s > 0
+
+
+def test_an_asleep_engine_asked_for_another_architecture_is_rebuilt(engine, models):
+    e = engine(device="cuda:0", sleep_level=2)
+    e.load(str(models["a"]))
+    e.sleep()
+    e.load(str(models["wide"]))
+    old, new = FakeHost.started
+    assert old.closed and "wake" not in old.commands and new.commands == ["build"] and not e.asleep
+
+
+def test_an_engine_without_sleep_mode_refuses_to_sleep(engine, models):
+    e = engine()
+    e.load(str(models["a"]))
+    with pytest.raises(RuntimeError, match="--sleep-when-idle"):
+        e.sleep()
+
+
+def test_the_engine_process_logs_at_the_worker_level(engine, models):
+    import logging
+
+    logging.getLogger("rollout_svc").setLevel(logging.WARNING)
+    try:
+        engine().load(str(models["a"]))
+    finally:
+        logging.getLogger("rollout_svc").setLevel(logging.NOTSET)
+    assert FakeHost.started[0].env["ROLLOUT_LOG_LEVEL"] == "WARNING"
