@@ -3,7 +3,8 @@
 #
 #   make demo        the main job on the embedded default (GRPO on a tiny model, CPU)
 #   make echo-smoke  a deployment check: an echo worker serving requests, no model
-#   make test        the whole test suite
+#   make test        lint, then the whole test suite
+#   make lint        ruff: lint and format check (settings in pyproject.toml)
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
 #   make tiny-model  a tiny Llama model with its own tokenizer, built offline, in build/
 #
@@ -14,6 +15,8 @@ PYTHON ?= python3
 VENVS := .venvs
 ROLLOUT := $(VENVS)/rollout
 TRAINER := $(VENVS)/trainer
+LINT := $(VENVS)/lint
+RUFF_VERSION := 0.17.5
 PIP_EXTRA := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
 # The rollout engine: vLLM's CUDA build where a GPU driver is present, its CPU build elsewhere.
 VLLM_FLAVOR ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
@@ -25,7 +28,7 @@ CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
 TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
-.PHONY: venvs tiny-model demo echo-smoke test bench clean
+.PHONY: venvs tiny-model demo echo-smoke lint test bench clean
 
 venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
@@ -59,8 +62,18 @@ demo: venvs tiny-model
 echo-smoke: venvs
 	$(ROLLOUT)/bin/python scripts/echo_smoke.py
 
-# Two runs, one per venv: each service's tests import only what its venv holds.
-test: venvs
+$(LINT)/.installed:
+	$(PYTHON) -m venv $(LINT)
+	$(LINT)/bin/pip install --quiet ruff==$(RUFF_VERSION)
+	touch $@
+
+lint: $(LINT)/.installed
+	$(LINT)/bin/ruff check .
+	$(LINT)/bin/ruff format --check .
+
+# Lint first (seconds), then two runs, one per venv: each service's tests import only what its
+# venv holds.
+test: lint venvs
 	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
 	$(TRAINER)/bin/python -m pytest tests/trainer
 

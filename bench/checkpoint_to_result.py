@@ -50,12 +50,24 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     base = build_models(root, ["a"], hidden=args.hidden, layers=args.layers)["a"]
     spool = Spool(root / "spool", create=True)
-    proc = start_worker(spool, "bench-ckpt", ["--engine", "vllm", "--weights", str(base), "--allowed-root", str(root), "--idle-exit", "0"], root)
+    proc = start_worker(
+        spool,
+        "bench-ckpt",
+        ["--engine", "vllm", "--weights", str(base), "--allowed-root", str(root), "--idle-exit", "0"],
+        root,
+    )
     rounds = []
     try:
         wait_until(spool, "bench-ckpt", lambda s: s.state == "idle" and s.weights_dir)
         with SpoolClient(spool.root) as client:
-            warm = Request(request_id="warm-up", weights_dir=str(base), prompts=["1+1="], n_samples_per_prompt=4, max_tokens=16, temperature=1.0)
+            warm = Request(
+                request_id="warm-up",
+                weights_dir=str(base),
+                prompts=["1+1="],
+                n_samples_per_prompt=4,
+                max_tokens=16,
+                temperature=1.0,
+            )
             client.submit(warm)
             client.wait([warm.request_id], timeout_s=600)
             for step in range(1, args.checkpoints + 1):
@@ -63,21 +75,38 @@ def main() -> None:
                 checkpoint.parent.mkdir(exist_ok=True)
                 write_checkpoint(base, checkpoint, step)
                 appeared = time.perf_counter()
-                request = Request(request_id=f"after-{step}", weights_dir=str(checkpoint), prompts=["1+1=", "2+3=", "7+8=", "9+9="],
-                                  n_samples_per_prompt=4, max_tokens=16, temperature=1.0)
+                request = Request(
+                    request_id=f"after-{step}",
+                    weights_dir=str(checkpoint),
+                    prompts=["1+1=", "2+3=", "7+8=", "9+9="],
+                    n_samples_per_prompt=4,
+                    max_tokens=16,
+                    temperature=1.0,
+                )
                 client.submit(request)
                 result = client.wait([request.request_id], timeout_s=600)[request.request_id]
                 assert result.ok and result.weights_dir == str(checkpoint), result.error
-                rounds.append({"total_s": time.perf_counter() - appeared, "reload_s": result.timings.reload_s, "generate_s": result.timings.generate_s, "queued_s": result.timings.queued_s})
+                rounds.append(
+                    {
+                        "total_s": time.perf_counter() - appeared,
+                        "reload_s": result.timings.reload_s,
+                        "generate_s": result.timings.generate_s,
+                        "queued_s": result.timings.queued_s,
+                    }
+                )
     finally:
         stop(proc)
     median = {key: round(statistics.median(r[key] for r in rounds), 4) for key in rounds[0]}
-    report("checkpoint_to_result", {
-        "parameters": parameter_count(base),
-        "checkpoints": len(rounds),
-        "median": median,
-        "max_total_s": round(max(r["total_s"] for r in rounds), 4),
-    }, args.json)
+    report(
+        "checkpoint_to_result",
+        {
+            "parameters": parameter_count(base),
+            "checkpoints": len(rounds),
+            "median": median,
+            "max_total_s": round(max(r["total_s"] for r in rounds), 4),
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

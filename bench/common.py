@@ -20,7 +20,10 @@ def build_models(root: Path, names: list[str], *, hidden: int, layers: int) -> d
     """Tiny models of one architecture, one seed per name."""
     from rollout_svc.tiny_model import build
 
-    return {name: build(root / name, seed=seed, hidden=hidden, layers=layers, intermediate=3 * hidden, init_std=0.3) for seed, name in enumerate(names)}
+    return {
+        name: build(root / name, seed=seed, hidden=hidden, layers=layers, intermediate=3 * hidden, init_std=0.3)
+        for seed, name in enumerate(names)
+    }
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -42,7 +45,9 @@ def start_worker(spool: Spool, worker_id: str, args: list[str], log_dir: Path) -
     log = open(log_dir / f"{worker_id}.log", "ab")
     return subprocess.Popen(
         [str(BIN / "rollout-svc"), "serve", "--spool", str(spool.root), "--worker-id", worker_id, *args],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -69,7 +74,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     import vllm
 
     return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "vllm": vllm.__version__}

@@ -29,14 +29,17 @@ sys.path.insert(0, str(ROOT / "tests" / "trainer"))
 def config(run_dir: Path, model: Path, steps: int):
     from trainer_svc.config import Config
 
-    return msgspec.convert({
-        "run": {"dir": str(run_dir), "seed": 3, "cpu_threads": 0},
-        "model": {"path": str(model), "dtype": "bfloat16", "activation_checkpointing": True},
-        "data": {"arithmetic_low": 0, "arithmetic_high": 9, "held_out": 10},
-        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_tokens": 4, "spawn": False},
-        "train": {"steps": steps, "lr": 1e-4, "grad_accum": 2},
-        "checkpoint": {"every": 1, "keep_last": 1},
-    }, Config)
+    return msgspec.convert(
+        {
+            "run": {"dir": str(run_dir), "seed": 3, "cpu_threads": 0},
+            "model": {"path": str(model), "dtype": "bfloat16", "activation_checkpointing": True},
+            "data": {"arithmetic_low": 0, "arithmetic_high": 9, "held_out": 10},
+            "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_tokens": 4, "spawn": False},
+            "train": {"steps": steps, "lr": 1e-4, "grad_accum": 2},
+            "checkpoint": {"every": 1, "keep_last": 1},
+        },
+        Config,
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -49,9 +52,9 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     import torch
+    from local_sampler import TorchSampler
     from safetensors.torch import load_file
 
-    from local_sampler import TorchSampler
     from rollout_svc.tiny_model import build
     from trainer_svc.loop import train
 
@@ -66,9 +69,18 @@ def main() -> None:
     (root / "two.json").write_bytes(msgspec.json.encode(two))
     started = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "trainer" / "fsdp_run.py"), str(root / "two.json")],
-        capture_output=True, text=True, env=dict(os.environ),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "trainer" / "fsdp_run.py"),
+            str(root / "two.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
     )
     two_s = time.monotonic() - started
     if run.returncode:
@@ -79,10 +91,16 @@ def main() -> None:
     b = load_file(root / "two-gpus" / "checkpoints" / final / "model.safetensors")
     m1, m2 = metrics(root / "one-gpu"), metrics(root / "two-gpus")
     figures = {
-        "gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "steps": args.steps, "one_gpu_wall_s": round(one_s, 1), "two_gpus_wall_s": round(two_s, 1),
-        "rewards_one": [r["reward_mean"] for r in m1], "rewards_two": [r["reward_mean"] for r in m2],
-        "grad_norm_one": [round(r["grad_norm"], 4) for r in m1], "grad_norm_two": [round(r["grad_norm"], 4) for r in m2],
+        "gpus": torch.cuda.device_count(),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "one_gpu_wall_s": round(one_s, 1),
+        "two_gpus_wall_s": round(two_s, 1),
+        "rewards_one": [r["reward_mean"] for r in m1],
+        "rewards_two": [r["reward_mean"] for r in m2],
+        "grad_norm_one": [round(r["grad_norm"], 4) for r in m1],
+        "grad_norm_two": [round(r["grad_norm"], 4) for r in m2],
         "median_train_s_one": sorted(r["train_s"] for r in m1)[len(m1) // 2],
         "median_train_s_two": sorted(r["train_s"] for r in m2)[len(m2) // 2],
         "max_weight_diff": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),

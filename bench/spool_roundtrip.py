@@ -121,13 +121,18 @@ class Publisher:
 
 SEGMENTS = (
     ("submit", "producer's submit(): request written, fsynced, linked, directory fsynced"),
-    ("serve", "submit() returned -> result built: worker wake-up, scan, claim, load, echo "
-              "(< 0: the worker saw the link while submit() still fsynced the directory)"),
+    (
+        "serve",
+        "submit() returned -> result built: worker wake-up, scan, claim, load, echo "
+        "(< 0: the worker saw the link while submit() still fsynced the directory)",
+    ),
     ("collect", "result built -> wait() returned: status beat, result publish, producer wake-up, read, consume"),
 )
 
 
-def bench_round_trip(base: Path, count: int, log_dir: Path, publisher: Publisher) -> tuple[list[float], dict[str, list[float]]]:
+def bench_round_trip(
+    base: Path, count: int, log_dir: Path, publisher: Publisher
+) -> tuple[list[float], dict[str, list[float]]]:
     """Round-trip seconds, and where they went (wall clocks of the producer and of the worker,
     which stamps `finished_at` when it builds the result; one machine, so one clock).
 
@@ -173,7 +178,9 @@ def bench_wake(base: Path, count: int) -> dict[str, list[float]]:
                     waker.wait(0)
                     os.rename(watched / f"moved-{i}", elsewhere / f"moved-{i}")
                 started = time.perf_counter()
-                os.close(os.open(watched / f"{case.replace(' ', '-')}-{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                os.close(
+                    os.open(watched / f"{case.replace(' ', '-')}-{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                )
                 woke = waker.wait(5.0)
                 times.append(time.perf_counter() - started if woke else float("inf"))
                 time.sleep(0.6)  # let delayed events drain, then forget them
@@ -240,12 +247,23 @@ def machine() -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000, help="requests per throughput run (default 3000)")
-    parser.add_argument("--round-trips", type=int, default=300,
-                        help="sequential round trips, each preceded by one timed durable publish (default 300)")
+    parser.add_argument(
+        "--round-trips",
+        type=int,
+        default=300,
+        help="sequential round trips, each preceded by one timed durable publish (default 300)",
+    )
     parser.add_argument("--wake-samples", type=int, default=10, help="wake-up latencies timed per case (default 10)")
-    parser.add_argument("--producers", type=int, default=2, help="producer processes in the throughput runs (default 2)")
+    parser.add_argument(
+        "--producers", type=int, default=2, help="producer processes in the throughput runs (default 2)"
+    )
     parser.add_argument("--batch", type=int, default=100, help="requests per submit_many (default 100)")
-    parser.add_argument("--spool-dir", type=Path, default=None, help="base directory for the spools (default: a new temporary directory)")
+    parser.add_argument(
+        "--spool-dir",
+        type=Path,
+        default=None,
+        help="base directory for the spools (default: a new temporary directory)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the spools and worker logs")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args()
@@ -257,8 +275,10 @@ def main() -> int:
     log_dir.mkdir()
     info = machine() | {"spool_dir": str(base), "fstype": filesystem_type(base),
                         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
-    print(f"spool base {base} ({info['fstype']}), {info['nproc']} cpus {info['cpu']}, python {info['python']}, "
-          f"load average {info['loadavg_start']:.2f}")
+    print(
+        f"spool base {base} ({info['fstype']}), {info['nproc']} cpus {info['cpu']}, python {info['python']}, "
+        f"load average {info['loadavg_start']:.2f}"
+    )
     try:
         publisher = Publisher(base)
         round_trip, segments = bench_round_trip(base, args.round_trips, log_dir, publisher)
@@ -283,7 +303,8 @@ def main() -> int:
          f"{'yes' if rt50 <= rt_limit else 'no'} ({rt50 / pub50:.1f} x publish)"),
         ("round trip p99 (1 worker)", f"{rt99 * 1e3:.2f} ms", "", f"{rt99 / pub50:.1f} x publish"),
         ("round trip mean (1 worker)", f"{statistics.fmean(round_trip) * 1e3:.2f} ms", "", ""),
-        ("throughput, 1 worker", f"{rate1:.0f} req/s", "", f"submit {rates[0]['submit_s']:.2f} s of {rates[0]['elapsed_s']:.2f} s"),
+        ("throughput, 1 worker", f"{rate1:.0f} req/s", "",
+         f"submit {rates[0]['submit_s']:.2f} s of {rates[0]['elapsed_s']:.2f} s"),
         ("throughput, 4 workers", f"{rate4:.0f} req/s", f">= {RATE_TARGET:.0f} req/s",
          f"{'yes' if rate4 >= RATE_TARGET else 'no'} ({rate4 / RATE_TARGET:.2f} x target); "
          f"submit {rates[1]['submit_s']:.2f} s of {rates[1]['elapsed_s']:.2f} s"),
@@ -291,16 +312,21 @@ def main() -> int:
     widths = [max(len(r[i]) for r in rows + [("figure", "value", "target", "met?")]) for i in range(4)]
     print()
     for row in [("figure", "value", "target", "met?"), tuple("-" * w for w in widths)] + rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
     print("\nwhere a round trip's time goes (p50 and p99 of each segment; clocks of two processes):")
     for name, what in SEGMENTS:
         values = segments[name]
-        print(f"  {name:8} p50 {percentile(values, 50) * 1e3:7.2f} ms  p99 {percentile(values, 99) * 1e3:7.2f} ms  {what}")
+        print(
+            f"  {name:8} p50 {percentile(values, 50) * 1e3:7.2f} ms  p99 {percentile(values, 99) * 1e3:7.2f} ms  {what}"
+        )
     print("\nprotocol.watch.Waker wake-up latency, file created in a watched directory (p50, max):")
     for case, values in wake.items():
         print(f"  {case:26} p50 {percentile(values, 50) * 1e3:7.2f} ms  max {max(values) * 1e3:7.2f} ms")
     info["loadavg_end"] = os.getloadavg()[0]
-    print(f"\nthroughput runs: {args.requests} requests, {args.producers} producer processes, submit_many batches of {args.batch}")
+    print(
+        f"\nthroughput runs: {args.requests} requests, {args.producers} "
+        f"producer processes, submit_many batches of {args.batch}"
+    )
     print(f"load average (1 min) at start {info['loadavg_start']:.2f}, at end {info['loadavg_end']:.2f}")
 
     if args.json is not None:
@@ -309,7 +335,9 @@ def main() -> int:
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "publish_s": {"p50": pub50, "p99": pub99, "n": len(publish)},
             "round_trip_s": {"p50": rt50, "p99": rt99, "mean": statistics.fmean(round_trip), "n": len(round_trip)},
-            "round_trip_segments_s": {name: {"p50": percentile(v, 50), "p99": percentile(v, 99)} for name, v in segments.items()},
+            "round_trip_segments_s": {
+                name: {"p50": percentile(v, 50), "p99": percentile(v, 99)} for name, v in segments.items()
+            },
             "throughput": rates,
             "wake_s": {case: {"p50": percentile(v, 50), "max": max(v)} for case, v in wake.items()},
             "targets": {"round_trip_p50_max_s": rt_limit, "round_trip_met": rt50 <= rt_limit,

@@ -49,16 +49,20 @@ def main() -> None:
     engine.close()
     rebuild = statistics.median(rebuilds)
     reload = statistics.median(reloads)
-    report("vllm_reload", {
-        "parameters": parameter_count(models["a"]),
-        "first_build_s": round(first_build, 3),
-        "rebuild_s_median": round(rebuild, 3),
-        "reload_s_median": round(reload, 4),
-        "reload_s_max": round(max(reloads), 4),
-        "reload_over_rebuild": round(reload / rebuild, 5),
-        "target_ratio": TARGET_RATIO,
-        "met": reload / rebuild <= TARGET_RATIO,
-    }, args.json)
+    report(
+        "vllm_reload",
+        {
+            "parameters": parameter_count(models["a"]),
+            "first_build_s": round(first_build, 3),
+            "rebuild_s_median": round(rebuild, 3),
+            "reload_s_median": round(reload, 4),
+            "reload_s_max": round(max(reloads), 4),
+            "reload_over_rebuild": round(reload / rebuild, 5),
+            "target_ratio": TARGET_RATIO,
+            "met": reload / rebuild <= TARGET_RATIO,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

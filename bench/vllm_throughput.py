@@ -31,9 +31,18 @@ def direct(model: Path, args) -> list[float]:
     from vllm import LLM, SamplingParams
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(str(model), dtype="float32", seed=0, enforce_eager=True, load_format="safetensors", logprobs_mode="processed_logprobs")
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        load_format="safetensors",
+        logprobs_mode="processed_logprobs",
+    )
     prompts, fields = batch(args)
-    params = SamplingParams(n=fields["n_samples_per_prompt"], max_tokens=fields["max_tokens"], temperature=1.0, seed=1234, logprobs=0)
+    params = SamplingParams(
+        n=fields["n_samples_per_prompt"], max_tokens=fields["max_tokens"], temperature=1.0, seed=1234, logprobs=0
+    )
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     rates = []
     for _ in range(args.repeats):
@@ -51,7 +60,12 @@ def through_spool(model: Path, root: Path, args) -> list[float]:
     from protocol.spool import Spool
 
     spool = Spool(root / "spool", create=True)
-    proc = start_worker(spool, "bench-vllm", ["--engine", "vllm", "--weights", str(model), "--allowed-root", str(root), "--idle-exit", "0"], root)
+    proc = start_worker(
+        spool,
+        "bench-vllm",
+        ["--engine", "vllm", "--weights", str(model), "--allowed-root", str(root), "--idle-exit", "0"],
+        root,
+    )
     try:
         wait_until(spool, "bench-vllm", lambda s: s.state == "idle" and s.weights_dir)
         prompts, fields = batch(args)
@@ -86,16 +100,20 @@ def main() -> None:
     direct_rates = direct(model, args)
     spool_rates = through_spool(model, root, args)
     d, s = statistics.median(direct_rates), statistics.median(spool_rates)
-    report("vllm_throughput", {
-        "parameters": parameter_count(model),
-        "batch": f"{args.prompts} prompts x {args.samples} samples x <= {args.tokens} tokens",
-        "direct_tokens_per_s": round(d),
-        "spool_tokens_per_s": round(s),
-        "spool_over_direct": round(s / d, 3),
-        "target_ratio": TARGET_RATIO,
-        "met": s / d >= TARGET_RATIO,
-        "runs": {"direct": [round(r) for r in direct_rates], "spool": [round(r) for r in spool_rates]},
-    }, args.json)
+    report(
+        "vllm_throughput",
+        {
+            "parameters": parameter_count(model),
+            "batch": f"{args.prompts} prompts x {args.samples} samples x <= {args.tokens} tokens",
+            "direct_tokens_per_s": round(d),
+            "spool_tokens_per_s": round(s),
+            "spool_over_direct": round(s / d, 3),
+            "target_ratio": TARGET_RATIO,
+            "met": s / d >= TARGET_RATIO,
+            "runs": {"direct": [round(r) for r in direct_rates], "spool": [round(r) for r in spool_rates]},
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The spool round trip with an echo worker: start a worker, submit requests, read results.
 
-Run by `make echo-smoke`: a deployment check without a model. Shows, end to end on this machine, what a producer (the trainer, an eval
-job) does: submit through the spool, wait with a deadline, and read each result.
+Run by `make echo-smoke`: a deployment check without a model. Shows, end to end on this machine,
+what a producer (the trainer, an eval job) does: submit through the spool, wait with a deadline,
+and read each result.
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ def main() -> int:
     spool_dir = ROOT / "runs" / "echo-smoke" / "spool"
     client = SpoolClient(spool_dir)
     worker = subprocess.Popen(
-        [BIN / "rollout-svc", "serve", "--spool", spool_dir, "--engine", "echo", "--worker-id", "demo-echo", "--idle-exit", "60"],
+        [
+            BIN / "rollout-svc",
+            "serve",
+            "--spool",
+            spool_dir,
+            "--engine",
+            "echo",
+            "--worker-id",
+            "demo-echo",
+            "--idle-exit",
+            "60",
+        ],
         start_new_session=True,
     )
     try:

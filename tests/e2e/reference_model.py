@@ -6,15 +6,19 @@ from functools import lru_cache
 from pathlib import Path
 
 
-class Reference:
-    @lru_cache(maxsize=8)
-    def _load(self, model_dir: str):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+@lru_cache(maxsize=8)
+def _load(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.set_num_threads(1)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        return model, AutoTokenizer.from_pretrained(model_dir)
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+class Reference:
+    def _load(self, model_dir: str):
+        return _load(model_dir)
 
     def tokenizer(self, model_dir: Path):
         return self._load(str(model_dir))[1]

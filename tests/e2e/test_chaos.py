@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from torn_reads import TornReadReader
 
 from protocol.client import SpoolClient
 from protocol.messages import MessageError, Request, decode_result, decode_status
 from protocol.spool import Spool, split_claimed_name
-from torn_reads import TornReadReader
 
 LEASE_S = 3.0
 HEARTBEAT_S = 0.5

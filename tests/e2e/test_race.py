@@ -67,7 +67,7 @@ def test_two_claims_on_one_entry_one_wins(tmp_path):
         rid = f"claim-{i:04d}"
         spool.submit(_request(rid))
         (entry,) = spool.pending()
-        a, b = _race(lambda: spool.claim(entry, "wA"), lambda: spool.claim(entry, "wB"))
+        a, b = _race(lambda e=entry: spool.claim(e, "wA"), lambda e=entry: spool.claim(e, "wB"))
         assert (a is None) != (b is None), f"round {i}: both or neither claimed ({a}, {b})"
         winner = a or b
         wins[winner.worker_id] += 1
@@ -87,7 +87,7 @@ def test_two_publishes_of_one_id_first_wins(tmp_path):
     for i in range(ROUNDS):
         rid = f"pub-{i:04d}"
         ra, rb = _result(rid, "wA"), _result(rid, "wB")
-        a, b = _race(lambda: spool.publish_results([ra]), lambda: spool.publish_results([rb]))
+        a, b = _race(lambda r=ra: spool.publish_results([r]), lambda r=rb: spool.publish_results([r]))
         assert a[0] != b[0], f"round {i}: publish returned {a} and {b}"
         winner = "wA" if a[0] else "wB"
         wins[winner] += 1

@@ -21,7 +21,9 @@ STEPS = 150
 WINDOW = 30
 
 
-def write_config(path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False, extra: str = "", steps: int = STEPS) -> Path:
+def write_config(
+    path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False, extra: str = "", steps: int = STEPS
+) -> Path:
     path.write_text(f"""
 [run]
 dir = "{run_dir}"
@@ -43,7 +45,7 @@ held_out = 41
 prompts_per_step = 16
 samples_per_prompt = 8
 max_tokens = 4
-rollout_venv = "{ROOT / '.venvs' / 'rollout'}"
+rollout_venv = "{ROOT / ".venvs" / "rollout"}"
 worker_args = ["--max-model-len", "64"]
 
 [train]
@@ -73,7 +75,11 @@ def gain(run_dir: Path) -> float:
 def warm(tmp_path_factory):
     base_dir = tmp_path_factory.mktemp("trainer-smoke")
     base = base_dir / "tiny"
-    subprocess.run([str(ROOT / ".venvs" / "rollout" / "bin" / "rollout-svc"), "tiny-model", str(base)], check=True, capture_output=True)
+    subprocess.run(
+        [str(ROOT / ".venvs" / "rollout" / "bin" / "rollout-svc"), "tiny-model", str(base)],
+        check=True,
+        capture_output=True,
+    )
     model = base_dir / "sft-model"
     config = write_config(base_dir / "sft.toml", base_dir / "sft-run", model, base)
     done = run("sft", str(config))

@@ -12,8 +12,8 @@ import signal
 import time
 
 import pytest
-
 from conftest import ServedWorker, keep_running, poll
+
 from protocol.messages import Request
 from protocol.spool import Spool
 
@@ -76,8 +76,13 @@ def test_a_worker_killed_mid_generation_is_replaced_after_the_lease(pair, models
     spool, workers = pair
     client = client_for(spool.root)
     request = Request(
-        request_id=f"killed-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="] * 32,
-        n_samples_per_prompt=8, max_tokens=200, temperature=1.0, seed=5,
+        request_id=f"killed-{time.time_ns()}",
+        weights_dir=str(models["a"]),
+        prompts=["1+1="] * 32,
+        n_samples_per_prompt=8,
+        max_tokens=200,
+        temperature=1.0,
+        seed=5,
     )
     client.submit(request)
     victim = None

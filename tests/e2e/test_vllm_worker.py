@@ -15,8 +15,8 @@ import shutil
 import time
 
 import pytest
-
 from conftest import ServedWorker, keep_running, poll, stop_worker, wait_for_status
+
 from protocol.messages import ErrorCode, Request
 from protocol.spool import Spool
 
@@ -64,8 +64,9 @@ def test_generation_shapes_ids_texts_and_logprobs(worker, models, client_for, re
     tokenizer = reference.tokenizer(models["a"])
     assert [len(t) for t in result.texts] == [4, 4, 4]
     assert result.prompt_token_ids == [tokenizer(p)["input_ids"] for p in prompts]
-    for texts, ids, logprobs, reasons in zip(result.texts, result.token_ids, result.logprobs, result.finish_reasons):
-        for text, sample_ids, sample_logprobs, reason in zip(texts, ids, logprobs, reasons):
+    rows = zip(result.texts, result.token_ids, result.logprobs, result.finish_reasons, strict=True)
+    for texts, ids, logprobs, reasons in rows:
+        for text, sample_ids, sample_logprobs, reason in zip(texts, ids, logprobs, reasons, strict=False):
             assert 1 <= len(sample_ids) <= 10 and len(sample_logprobs) == len(sample_ids)
             assert tokenizer.decode(sample_ids, skip_special_tokens=True) == text
             assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample_logprobs)
@@ -91,10 +92,10 @@ def test_sampling_logprobs_agree_with_transformers(worker, models, client_for, r
     )  # fmt: skip
     assert result.ok
     diffs = []
-    for prompt_ids, samples, logprobs in zip(result.prompt_token_ids, result.token_ids, result.logprobs):
-        for sample_ids, sample_logprobs in zip(samples, logprobs):
+    for prompt_ids, samples, logprobs in zip(result.prompt_token_ids, result.token_ids, result.logprobs, strict=False):
+        for sample_ids, sample_logprobs in zip(samples, logprobs, strict=False):
             expected = reference.token_logprobs(models["a"], prompt_ids, sample_ids, temperature)
-            diffs += [abs(a - b) for a, b in zip(sample_logprobs, expected)]
+            diffs += [abs(a - b) for a, b in zip(sample_logprobs, expected, strict=False)]
     mean = sum(diffs) / len(diffs)
     print(f"\nlogprob |vLLM - transformers| over {len(diffs)} tokens: max {max(diffs):.2e}, mean {mean:.2e}")
     assert max(diffs) < 1e-3

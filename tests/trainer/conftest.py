@@ -23,7 +23,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
-def make_config(run_dir: Path, model: Path, **sections) -> "Config":
+def make_config(run_dir: Path, model: Path, **sections):
     """A small config for tests: 4 prompts x 4 samples x 4 tokens, arithmetic 0..9."""
     from trainer_svc.config import Config
 
@@ -47,6 +47,17 @@ def warm_model(tiny_model, tmp_path_factory) -> Path:
 
     base = tmp_path_factory.mktemp("warm")
     out = base / "model"
-    cfg = make_config(base / "run", out, sft={"base": str(tiny_model), "problems": 60, "steps": 150, "stop_at_accuracy": 0.15, "eval_every": 25, "eval_problems": 64})
+    cfg = make_config(
+        base / "run",
+        out,
+        sft={
+            "base": str(tiny_model),
+            "problems": 60,
+            "steps": 150,
+            "stop_at_accuracy": 0.15,
+            "eval_every": 25,
+            "eval_problems": 64,
+        },
+    )
     run_sft(cfg)
     return out

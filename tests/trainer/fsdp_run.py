@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
 from local_sampler import TorchSampler  # noqa: E402
+
 from trainer_svc.config import Config  # noqa: E402
 from trainer_svc.loop import train  # noqa: E402
 

@@ -20,12 +20,19 @@ class TorchSampler:
         if key not in self._cache:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            self._cache = {key: (AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(weights_dir))}
+            self._cache = {
+                key: (
+                    AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval(),
+                    AutoTokenizer.from_pretrained(weights_dir),
+                )
+            }
         return self._cache[key]
 
     @torch.no_grad()
     def sample(self, prompts, *, weights_dir, content_id, step, attempt, seed, n=None, temperature=None, tag="train"):
-        self.requests.append({"weights_dir": weights_dir, "content_id": content_id, "step": step, "attempt": attempt, "tag": tag})
+        self.requests.append(
+            {"weights_dir": weights_dir, "content_id": content_id, "step": step, "attempt": attempt, "tag": tag}
+        )
         model, tokenizer = self._load(weights_dir, content_id)
         r = self.cfg.rollout
         generator = torch.Generator().manual_seed(seed)

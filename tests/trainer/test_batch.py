@@ -33,50 +33,60 @@ def test_collate_by_hand():
     batch = collate(small_groups(), ADVANTAGES, PAD)
     assert torch.equal(
         batch.input_ids,
-        torch.tensor([
-            [5, 6, 7, 8, 9, 0, 0],
-            [5, 6, 10, 0, 0, 0, 0],
-            [11, 12, 13, 14, 15, 0, 0],
-            [11, 12, 13, 16, 17, 18, 19],
-        ]),
+        torch.tensor(
+            [
+                [5, 6, 7, 8, 9, 0, 0],
+                [5, 6, 10, 0, 0, 0, 0],
+                [11, 12, 13, 14, 15, 0, 0],
+                [11, 12, 13, 16, 17, 18, 19],
+            ]
+        ),
     )
     assert torch.equal(
         batch.attention_mask,
-        torch.tensor([
-            [1, 1, 1, 1, 1, 0, 0],
-            [1, 1, 1, 0, 0, 0, 0],
-            [1, 1, 1, 1, 1, 0, 0],
-            [1, 1, 1, 1, 1, 1, 1],
-        ]),
+        torch.tensor(
+            [
+                [1, 1, 1, 1, 1, 0, 0],
+                [1, 1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 1, 1, 0, 0],
+                [1, 1, 1, 1, 1, 1, 1],
+            ]
+        ),
     )
     assert torch.equal(
         batch.targets,
-        torch.tensor([
-            [6, 7, 8, 9, 0, 0],
-            [6, 10, 0, 0, 0, 0],
-            [12, 13, 14, 15, 0, 0],
-            [12, 13, 16, 17, 18, 19],
-        ]),
+        torch.tensor(
+            [
+                [6, 7, 8, 9, 0, 0],
+                [6, 10, 0, 0, 0, 0],
+                [12, 13, 14, 15, 0, 0],
+                [12, 13, 16, 17, 18, 19],
+            ]
+        ),
     )
     # position t predicts token t + 1: the generated tokens are predicted from the last prompt
     # position up to the one before the last generated token
     assert torch.equal(
         batch.mask,
-        torch.tensor([
-            [0.0, 1, 1, 1, 0, 0],
-            [0.0, 1, 0, 0, 0, 0],
-            [0.0, 0, 1, 1, 0, 0],
-            [0.0, 0, 1, 1, 1, 1],
-        ]),
+        torch.tensor(
+            [
+                [0.0, 1, 1, 1, 0, 0],
+                [0.0, 1, 0, 0, 0, 0],
+                [0.0, 0, 1, 1, 0, 0],
+                [0.0, 0, 1, 1, 1, 1],
+            ]
+        ),
     )
     assert torch.equal(
         batch.rollout_logprobs,
-        torch.tensor([
-            [0.0, -0.1, -0.2, -0.3, 0, 0],
-            [0.0, -0.4, 0, 0, 0, 0],
-            [0.0, 0, -0.5, -0.6, 0, 0],
-            [0.0, 0, -0.7, -0.8, -0.9, -1.0],
-        ]),
+        torch.tensor(
+            [
+                [0.0, -0.1, -0.2, -0.3, 0, 0],
+                [0.0, -0.4, 0, 0, 0, 0],
+                [0.0, 0, -0.5, -0.6, 0, 0],
+                [0.0, 0, -0.7, -0.8, -0.9, -1.0],
+            ]
+        ),
     )
     assert torch.equal(batch.advantages, torch.tensor([1.0, -1.0, 0.5, -0.25]))  # [prompt][sample]
     assert batch.input_ids.dtype == torch.long and batch.targets.dtype == torch.long

@@ -49,8 +49,13 @@ def trained(base_model):
 def save(run_dir: Path, step: int, trained, base_model: Path, state: dict | None = None) -> checkpoint.Checkpoint:
     model, optimizer = trained
     return checkpoint.save(
-        run_dir=run_dir, step=step, model=model, optimizer=optimizer, base_model=base_model,
-        trainer_state=state or {**STATE, "step": step}, dist_info=CPU,
+        run_dir=run_dir,
+        step=step,
+        model=model,
+        optimizer=optimizer,
+        base_model=base_model,
+        trainer_state=state or {**STATE, "step": step},
+        dist_info=CPU,
     )
 
 
@@ -145,7 +150,9 @@ def test_prune_keeps_the_last_k_and_pinned_and_removes_partials(tmp_path, traine
 
     assert sorted(removed) == [paths[1], paths[3]]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step_00000002", "step_00000004", "step_00000005",
+        "step_00000002",
+        "step_00000004",
+        "step_00000005",
     ]
     assert (paths[2] / "PINNED").read_text() == "tripwire: reward collapsed\n"
     assert checkpoint.latest(tmp_path).step == 5

@@ -56,7 +56,9 @@ def test_arithmetic_golds_are_exact_results_in_the_answer_format():
     assert len({p.id for p in got}) == len(got)
     for p in got:
         name, a, b = p.id.split("-")
-        op, expected = {"add": ("+", int(a) + int(b)), "sub": ("-", int(a) - int(b)), "mul": ("*", int(a) * int(b))}[name]
+        op, expected = {"add": ("+", int(a) + int(b)), "sub": ("-", int(a) - int(b)), "mul": ("*", int(a) * int(b))}[
+            name
+        ]
         assert p.prompt == f"{a}{op}{b}="
         assert p.gold == str(expected)
     assert Problem("sub-3-12", "3-12=", "-9") in got

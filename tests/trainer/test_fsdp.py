@@ -11,10 +11,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import make_config
 from local_sampler import TorchSampler
+from safetensors.torch import load_file
+
 from protocol import exit_codes
 from trainer_svc.loop import train
 
@@ -38,14 +38,18 @@ def test_two_fsdp_ranks_match_one_process(warm_model, tmp_path, denominator):
     config_file.write_bytes(msgspec.json.encode(sharded))
     run = subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(HERE / "fsdp_run.py"), str(config_file)],
-        capture_output=True, text=True, timeout=360,
+        capture_output=True,
+        text=True,
+        timeout=360,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     one, two = metrics(single.run_dir), metrics(sharded.run_dir)
     assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]
     assert any(r["grad_norm"] > 0 for r in one)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in two]), torch.tensor([r["grad_norm"] for r in one]), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in two]), torch.tensor([r["grad_norm"] for r in one]), rtol=1e-4, atol=1e-6
+    )
     final_one = load_file(single.run_dir / "checkpoints" / "step_00000003" / "model.safetensors")
     final_two = load_file(sharded.run_dir / "checkpoints" / "step_00000003" / "model.safetensors")
     assert final_one.keys() == final_two.keys()

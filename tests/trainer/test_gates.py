@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import ROOT, make_config
 from typer.testing import CliRunner
 
-from conftest import ROOT, make_config
 from protocol import exit_codes
 from protocol.content_id import weights_content_id
 from protocol.messages import WorkerStatus
@@ -41,7 +41,9 @@ def refused(gate: str, call, *args, **kwargs) -> str:
 
 def replace(cfg, **sections):
     """cfg with some fields of some sections replaced: replace(cfg, train={"steps": 3})."""
-    return msgspec.structs.replace(cfg, **{name: msgspec.structs.replace(getattr(cfg, name), **values) for name, values in sections.items()})
+    return msgspec.structs.replace(
+        cfg, **{name: msgspec.structs.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    )
 
 
 @pytest.fixture()
@@ -118,7 +120,11 @@ def test_ceiling_refuses_golds_the_verifier_cannot_read(cfg, tokenizer, tmp_path
         receipt = gates.ceiling_receipt(cfg, words, tokenizer, verifier)
     assert receipt["perfect_rate"] == 0.0
     message = refused("ceiling", gates.check_ceiling, receipt, tmp_path)
-    assert "a perfect policy would score 0%" in message and "verifier" in message and str(tmp_path / gates.RECEIPT) in message
+    assert (
+        "a perfect policy would score 0%" in message
+        and "verifier" in message
+        and str(tmp_path / gates.RECEIPT) in message
+    )
     saved = receipt_on_disk(tmp_path)
     assert saved["perfect_rate"] == 0.0 and [f["gold"] for f in saved["failures"]] == ["zero", "two", "four", "six"]
     assert all(f["correct"] is False for f in saved["failures"])
@@ -232,8 +238,12 @@ def test_band_gate_refuses_a_band_made_with_another_split(cfg, tmp_path, tiny_mo
     # Another seed or held-out count splits the problems differently: the band's prompts could
     # include the problems this run's canary holds out.
     model = os.path.realpath(tiny_model)
-    manifest = {"model": model, "content_id": weights_content_id(model), "rows": 1,
-                "settings": {"seed": cfg.run.seed + 1, "held_out": cfg.data.held_out}}
+    manifest = {
+        "model": model,
+        "content_id": weights_content_id(model),
+        "rows": 1,
+        "settings": {"seed": cfg.run.seed + 1, "held_out": cfg.data.held_out},
+    }
     band = write_band(tmp_path / "band.jsonl", manifest)
     message = refused("band", gates.check_band, replace(cfg, data={"band_file": band}))
     assert "held-out" in message and f"run.seed {cfg.run.seed + 1}" in message
@@ -248,7 +258,10 @@ def spawning(cfg):
 
 def test_topology_spawn_on_a_machine_without_gpus_uses_the_cpu(cfg, monkeypatch):
     monkeypatch.delenv("ROLLOUT_GPU", raising=False)
-    assert gates.check_topology(spawning(cfg), world_size=1, cuda_devices=0) == {"train_ranks": 1, "rollout_device": "cpu"}
+    assert gates.check_topology(spawning(cfg), world_size=1, cuda_devices=0) == {
+        "train_ranks": 1,
+        "rollout_device": "cpu",
+    }
     monkeypatch.setenv("ROLLOUT_GPU", "7")  # nothing to place on a CPU machine
     assert gates.check_topology(spawning(cfg), world_size=2, cuda_devices=0)["rollout_device"] == "cpu"
 
@@ -257,7 +270,10 @@ def test_topology_spawn_refuses_when_every_gpu_trains(cfg, monkeypatch):
     monkeypatch.delenv("ROLLOUT_GPU", raising=False)
     message = refused("topology", gates.check_topology, spawning(cfg), world_size=2, cuda_devices=2)
     assert "cuda:0..1" in message and "2 GPUs are visible" in message and "free a GPU" in message
-    assert gates.check_topology(spawning(cfg), world_size=2, cuda_devices=3) == {"train_ranks": 2, "rollout_device": "cuda:2"}
+    assert gates.check_topology(spawning(cfg), world_size=2, cuda_devices=3) == {
+        "train_ranks": 2,
+        "rollout_device": "cuda:2",
+    }
 
 
 def test_topology_spawn_refuses_a_rollout_gpu_that_a_rank_uses(cfg, monkeypatch):
@@ -268,13 +284,25 @@ def test_topology_spawn_refuses_a_rollout_gpu_that_a_rank_uses(cfg, monkeypatch)
         monkeypatch.setenv("ROLLOUT_GPU", bad)
         refused("topology", gates.check_topology, spawning(cfg), world_size=2, cuda_devices=4)
     monkeypatch.setenv("ROLLOUT_GPU", "3")
-    assert gates.check_topology(spawning(cfg), world_size=2, cuda_devices=4) == {"train_ranks": 2, "rollout_device": "cuda:3"}
+    assert gates.check_topology(spawning(cfg), world_size=2, cuda_devices=4) == {
+        "train_ranks": 2,
+        "rollout_device": "cuda:3",
+    }
 
 
 def worker(worker_id: str, device: str, host: str | None = None) -> WorkerStatus:
     now = time.time()
-    return WorkerStatus(worker_id=worker_id, pid=4242, host=host or socket.gethostname(), device=device, engine="vllm 0",
-                        state="idle", lease_s=30.0, started_at=now, heartbeat_at=now)
+    return WorkerStatus(
+        worker_id=worker_id,
+        pid=4242,
+        host=host or socket.gethostname(),
+        device=device,
+        engine="vllm 0",
+        state="idle",
+        lease_s=30.0,
+        started_at=now,
+        heartbeat_at=now,
+    )
 
 
 def test_topology_attach_refuses_a_worker_on_a_training_gpu_of_this_host(cfg):
@@ -282,8 +310,15 @@ def test_topology_attach_refuses_a_worker_on_a_training_gpu_of_this_host(cfg):
     clash = [worker("w-gpu2", "cuda:2"), worker("w-gpu0", "cuda:0")]
     message = refused("topology", gates.check_topology, cfg, world_size=2, cuda_devices=4, live_workers=clash)
     assert "['w-gpu0']" in message and "w-gpu2" not in message
-    fine = [worker("w-gpu2", "cuda:2"), worker("w-gpu3", "cuda:3"), worker("elsewhere", "cuda:0", host="another-host.invalid")]
-    assert gates.check_topology(cfg, world_size=2, cuda_devices=4, live_workers=fine) == {"train_ranks": 2, "rollout_device": "workers on the spool"}
+    fine = [
+        worker("w-gpu2", "cuda:2"),
+        worker("w-gpu3", "cuda:3"),
+        worker("elsewhere", "cuda:0", host="another-host.invalid"),
+    ]
+    assert gates.check_topology(cfg, world_size=2, cuda_devices=4, live_workers=fine) == {
+        "train_ranks": 2,
+        "rollout_device": "workers on the spool",
+    }
     # training on the CPU shares no GPU with anyone
     assert gates.check_topology(cfg, world_size=1, cuda_devices=0, live_workers=clash)["train_ranks"] == 1
 
@@ -292,7 +327,9 @@ def test_topology_attach_maps_training_ranks_through_cuda_visible_devices(cfg, m
     # The trainer's two ranks run on physical GPUs 2 and 3; a worker reports its physical GPU
     # (rollout_svc.cli._device: cuda:<its CUDA_VISIBLE_DEVICES>).
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    refused("topology", gates.check_topology, cfg, world_size=2, cuda_devices=2, live_workers=[worker("w-gpu2", "cuda:2")])
+    refused(
+        "topology", gates.check_topology, cfg, world_size=2, cuda_devices=2, live_workers=[worker("w-gpu2", "cuda:2")]
+    )
 
 
 def fake_rollout_venv(tmp_path: Path) -> tuple[Path, Path]:
@@ -309,7 +346,12 @@ def spawned_worker_gpus(cfg, tmp_path, world_size: int = 2, cuda_devices: int = 
     from trainer_svc.rollout import RolloutService
 
     venv, record = fake_rollout_venv(tmp_path)
-    service = RolloutService(replace(cfg, rollout={"spawn": True, "rollout_venv": str(venv)}), launch_id="t", world_size=world_size, cuda_devices=cuda_devices)
+    service = RolloutService(
+        replace(cfg, rollout={"spawn": True, "rollout_venv": str(venv)}),
+        launch_id="t",
+        world_size=world_size,
+        cuda_devices=cuda_devices,
+    )
     try:
         assert service.proc.wait(timeout=30) == 0
     finally:
@@ -324,11 +366,17 @@ def test_topology_spawned_worker_gets_the_gpu_the_gate_approved(cfg, tmp_path, m
     assert spawned_worker_gpus(cfg, tmp_path) == "3"
 
 
-@pytest.mark.parametrize("visible, rollout_gpu, world, devices, physical", [
-    (None, None, 2, 4, "2"),  # the gate's default GPU; the worker is given none and takes cuda:0, rank 0's
-    ("1,0", "1", 1, 2, "0"),  # visible index 1 is physical GPU 0; the worker is sent to physical 1, rank 0's
-], ids=["default-rollout-gpu", "remapped-visible-devices"])
-def test_topology_spawned_worker_lands_on_the_approved_gpu(cfg, tmp_path, monkeypatch, visible, rollout_gpu, world, devices, physical):
+@pytest.mark.parametrize(
+    "visible, rollout_gpu, world, devices, physical",
+    [
+        (None, None, 2, 4, "2"),  # the gate's default GPU; the worker is given none and takes cuda:0, rank 0's
+        ("1,0", "1", 1, 2, "0"),  # visible index 1 is physical GPU 0; the worker is sent to physical 1, rank 0's
+    ],
+    ids=["default-rollout-gpu", "remapped-visible-devices"],
+)
+def test_topology_spawned_worker_lands_on_the_approved_gpu(
+    cfg, tmp_path, monkeypatch, visible, rollout_gpu, world, devices, physical
+):
     for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("ROLLOUT_GPU", rollout_gpu)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -359,7 +407,9 @@ def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_when_idle
     script = venv / "bin" / "rollout-svc"
     script.write_text(f'#!/bin/sh\nprintf "%s " "$CUDA_VISIBLE_DEVICES" "$@" > "{record}"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    shared = replace(cfg, rollout={"spawn": True, "colocate": True, "colocate_gpu_memory": 0.25, "rollout_venv": str(venv)})
+    shared = replace(
+        cfg, rollout={"spawn": True, "colocate": True, "colocate_gpu_memory": 0.25, "rollout_venv": str(venv)}
+    )
     service = RolloutService(shared, launch_id="t", world_size=1, cuda_devices=1)
     try:
         assert service.proc.wait(timeout=30) == 0
@@ -390,6 +440,7 @@ def test_horizon_refuses_a_resume_with_other_steps(cfg):
 def refused_relaunch(warm_model, tmp_path) -> tuple[GateRefused, Path, str]:
     """A finished 2-step run relaunched with train.steps = 4: (the refusal, run_dir, metrics before)."""
     from local_sampler import TorchSampler
+
     from trainer_svc.loop import train
 
     first = make_config(tmp_path / "run", warm_model, train={"steps": 2})
@@ -435,7 +486,9 @@ def assert_nothing_started(run_dir: Path) -> None:
 
 @pytest.mark.skipif(not (ROLLOUT_VENV / "bin" / "rollout-svc").exists(), reason="needs the rollout venv")
 def test_cli_train_with_an_indivisible_batch_exits_3(warm_model, tmp_path):
-    path = write_config(tmp_path, warm_model, rollout={"prompts_per_step": 3, "samples_per_prompt": 3}, train={"grad_accum": 2})
+    path = write_config(
+        tmp_path, warm_model, rollout={"prompts_per_step": 3, "samples_per_prompt": 3}, train={"grad_accum": 2}
+    )
     result = CliRunner().invoke(app, ["train", str(path)])
     assert result.exit_code == exit_codes.GATE_REFUSED, result.output
     assert "launch gate 'config' refused the run" in result.output
@@ -448,10 +501,17 @@ def test_cli_train_with_an_indivisible_batch_exits_3(warm_model, tmp_path):
 def test_cli_train_refused_by_the_ceiling_starts_no_worker(warm_model, tmp_path):
     rows = tmp_path / "halves.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}/2=", "gold": f"{i}.5"}) + "\n" for i in range(1, 20, 2)))
-    path = write_config(tmp_path, warm_model, data={"task": "file", "path": str(rows), "held_out": 2},
-                        reward={"format_weight": 0.2}, rollout={"prompts_per_step": 4, "samples_per_prompt": 4})
+    path = write_config(
+        tmp_path,
+        warm_model,
+        data={"task": "file", "path": str(rows), "held_out": 2},
+        reward={"format_weight": 0.2},
+        rollout={"prompts_per_step": 4, "samples_per_prompt": 4},
+    )
     result = CliRunner().invoke(app, ["train", str(path)])
     assert result.exit_code == exit_codes.GATE_REFUSED, result.output
-    assert "launch gate 'ceiling' refused the run" in result.output and "a perfect policy would score 0%" in result.output
+    assert (
+        "launch gate 'ceiling' refused the run" in result.output and "a perfect policy would score 0%" in result.output
+    )
     assert receipt_on_disk(tmp_path / "run")["n"] == 10
     assert_nothing_started(tmp_path / "run")

@@ -54,8 +54,8 @@ def ref_log_softmax(row: list[float], temperature: float) -> list[float]:
 
 def ref_token_logprobs(logits, tokens, temperature) -> torch.Tensor:
     out = []
-    for rows, toks in zip(logits.double().tolist(), tokens.tolist()):
-        out.append([ref_log_softmax(row, temperature)[tok] for row, tok in zip(rows, toks)])
+    for rows, toks in zip(logits.double().tolist(), tokens.tolist(), strict=False):
+        out.append([ref_log_softmax(row, temperature)[tok] for row, tok in zip(rows, toks, strict=False)])
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -92,10 +92,10 @@ def ref_clipped_policy_loss(logp, old_logp, advantages, weights, clip_low, clip_
     """PPO by the definition, token by token: the loss, d loss / d logp, and the stats."""
     loss, tokens, low, high, ratio_sum, max_abs = 0.0, 0, 0, 0, 0.0, 0.0
     grad = []
-    rows = zip(logp.tolist(), old_logp.tolist(), advantages.tolist(), weights.tolist())
+    rows = zip(logp.tolist(), old_logp.tolist(), advantages.tolist(), weights.tolist(), strict=False)
     for lps, olps, adv, ws in rows:
         grad_row = []
-        for lp, olp, w in zip(lps, olps, ws):
+        for lp, olp, w in zip(lps, olps, ws, strict=False):
             if w == 0:
                 grad_row.append(0.0)
                 continue
@@ -130,9 +130,7 @@ def ref_clipped_policy_loss(logp, old_logp, advantages, weights, clip_low, clip_
 
 @pytest.mark.parametrize("norm", ["std", "mean"])
 def test_group_advantages_match_reference(norm):
-    rewards = torch.tensor(
-        [[1.0, 0.0, 0.0, 1.0], [0.5, -1.0, 2.0, 0.25], [3.0, 3.0, 3.0, 3.0]], dtype=torch.float64
-    )
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, -1.0, 2.0, 0.25], [3.0, 3.0, 3.0, 3.0]], dtype=torch.float64)
     assert_close(group_advantages(rewards, norm), ref_group_advantages(rewards, norm, 1e-6))
 
 
@@ -278,8 +276,8 @@ def test_kl_k3_matches_reference():
     logp = torch.tensor([[-1.0, -0.5, -3.0], [-0.1, -2.0, -0.7]], dtype=torch.float64)
     ref_logp = torch.tensor([[-1.2, -0.5, -1.0], [-0.3, -4.0, -0.6]], dtype=torch.float64)
     expected = [
-        [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(lps, rs)]
-        for lps, rs in zip(logp.tolist(), ref_logp.tolist())
+        [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(lps, rs, strict=True)]
+        for lps, rs in zip(logp.tolist(), ref_logp.tolist(), strict=True)
     ]
     out = kl_k3(logp, ref_logp)
     assert_close(out, torch.tensor(expected, dtype=torch.float64))
@@ -297,8 +295,8 @@ def test_kl_penalty_matches_reference():
     ref_logp = torch.tensor([[-1.2, -0.5, float("nan")], [-0.3, -4.0, -0.6]], dtype=torch.float64)
     weights = torch.tensor([[0.25, 0.25, 0.0], [0.1, 0.2, 0.2]], dtype=torch.float64)
     expected = 0.0
-    for lps, rs, ws in zip(logp.tolist(), ref_logp.tolist(), weights.tolist()):
-        for lp, r, w in zip(lps, rs, ws):
+    for lps, rs, ws in zip(logp.tolist(), ref_logp.tolist(), weights.tolist(), strict=False):
+        for lp, r, w in zip(lps, rs, ws, strict=False):
             if w:  # the NaN sits on padding, which weighs 0
                 expected += w * (math.exp(r - lp) - (r - lp) - 1)
     out = kl_penalty(logp, ref_logp, weights, coef=0.04)
@@ -307,9 +305,7 @@ def test_kl_penalty_matches_reference():
 
 # ---------------------------------------------------------------- token weights
 
-_MASK = torch.tensor(
-    [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool
-)
+_MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
 
 
 @pytest.mark.parametrize("kind", WEIGHT_KINDS)
@@ -530,9 +526,7 @@ def accumulated_grads(policy, step: Step, micro_batches: list[list[int]], weight
 
 def step_weights(kind: str):
     step_tokens = sum(LENGTHS)
-    return lambda mask: token_weights(
-        mask, kind, step_tokens=step_tokens, step_sequences=B, max_tokens=T
-    )
+    return lambda mask: token_weights(mask, kind, step_tokens=step_tokens, step_sequences=B, max_tokens=T)
 
 
 def _split(n_micro_batches: int) -> list[list[int]]:
@@ -549,9 +543,7 @@ def test_invariance_fixture_clips_some_tokens():
     step = make_step(policy)
     weights = step_weights("token")(step.mask).double()
     logp = token_logprobs(policy(step.features), step.tokens, TEMPERATURE)
-    _, stats = clipped_policy_loss(
-        logp, step.old_logp, step.advantages, weights, CLIP_LOW, CLIP_HIGH
-    )
+    _, stats = clipped_policy_loss(logp, step.old_logp, step.advantages, weights, CLIP_LOW, CLIP_HIGH)
     assert stats["clip_fraction_low"] > 0 and stats["clip_fraction_high"] > 0
 
 
@@ -580,7 +572,7 @@ def test_step_gradient_averaged_over_ranks_times_rank_scale(kind):
         accumulated_grads(policy, step, micro_batches, step_weights(kind), scale=rank_scale(2))
         for micro_batches in ranks
     ]
-    averaged = [torch.stack(grads).mean(dim=0) for grads in zip(*per_rank)]
+    averaged = [torch.stack(grads).mean(dim=0) for grads in zip(*per_rank, strict=False)]
     _assert_grads_close(averaged, whole)
 
 

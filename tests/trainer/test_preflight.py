@@ -44,8 +44,15 @@ def fake_venv(path: Path) -> Path:
 def status(worker_id: str, lease_s: float = 30.0) -> WorkerStatus:
     now = time.time()
     return WorkerStatus(
-        worker_id=worker_id, pid=os.getpid(), host=socket.gethostname(), device="cpu", engine="echo",
-        state="idle", lease_s=lease_s, started_at=now, heartbeat_at=now,
+        worker_id=worker_id,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        device="cpu",
+        engine="echo",
+        state="idle",
+        lease_s=lease_s,
+        started_at=now,
+        heartbeat_at=now,
     )
 
 

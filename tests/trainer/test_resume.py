@@ -8,9 +8,9 @@ import json
 import shutil
 
 import pytest
-
 from conftest import make_config
 from local_sampler import TorchSampler
+
 from protocol import exit_codes
 from trainer_svc.loop import train
 
@@ -60,11 +60,17 @@ def test_each_step_samples_from_the_newest_published_weights(warm_model, tmp_pat
     assert named[0] == (0, str(warm_model))
     assert named[1:] == [(s, str(published(cfg, s))) for s in (1, 2)]
     manifests = [json.loads((published(cfg, s) / "manifest.json").read_text()) for s in (1, 2)]
-    assert [r["content_id"] for r in samplers[0].requests if r["attempt"] == 0][1:] == [m["content_id"] for m in manifests]
+    assert [r["content_id"] for r in samplers[0].requests if r["attempt"] == 0][1:] == [
+        m["content_id"] for m in manifests
+    ]
     # one resume checkpoint, at the end; published weights carry no optimizer state
     assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_00000003"]
     assert sorted(p.name for p in published(cfg, 3).iterdir()) == [
-        "config.json", "generation_config.json", "manifest.json", "model.safetensors", "tokenizer.json",
+        "config.json",
+        "generation_config.json",
+        "manifest.json",
+        "model.safetensors",
+        "tokenizer.json",
         "tokenizer_config.json",
     ]
     result = json.loads((cfg.run_dir / "stage_result.json").read_text())
@@ -74,15 +80,19 @@ def test_each_step_samples_from_the_newest_published_weights(warm_model, tmp_pat
 
 
 def test_publish_cadence_sets_the_policy_lag(warm_model, tmp_path):
-    cfg = make_config(tmp_path / "lag", warm_model, train={"steps": 5}, publish={"every": 2},
-                      rollout={"max_policy_lag": 1})
+    cfg = make_config(
+        tmp_path / "lag", warm_model, train={"steps": 5}, publish={"every": 2}, rollout={"max_policy_lag": 1}
+    )
     samplers: list = []
     assert run(cfg, samplers) == exit_codes.OK
     named = [r["weights_dir"] for r in samplers[0].requests if r["attempt"] == 0]
     start, one, three = str(warm_model), str(published(cfg, 2)), str(published(cfg, 4))
     assert named == [start, start, one, one, three]  # steps 0..4; the last step (5) is published too
-    assert sorted(p.name for p in (cfg.run_dir / "weights").iterdir()) == ["step_00000002", "step_00000004",
-                                                                         "step_00000005"]
+    assert sorted(p.name for p in (cfg.run_dir / "weights").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
 def test_resume_discards_weights_published_after_its_checkpoint(warm_model, tmp_path):

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from protocol import answers
-
 from trainer_svc.rewards import (
     RewardBreakdown,
     RewardConfig,

@@ -11,15 +11,15 @@ import os
 import shutil
 
 import pytest
-
 from conftest import make_config
 from local_sampler import TorchSampler
+
 from protocol import exit_codes
 from protocol.content_id import weights_content_id
 from trainer_svc import checkpoint as ckpt
 from trainer_svc.band import run_band
-from trainer_svc.gates import GateRefused
 from trainer_svc.data import load_problems
+from trainer_svc.gates import GateRefused
 from trainer_svc.loop import train
 from trainer_svc.rewards import Verifier
 from trainer_svc.rollout import Sample
@@ -36,7 +36,9 @@ class Recording(TorchSampler):
 
     def sample(self, prompts, **kwargs):
         groups = super().sample(prompts, **kwargs)
-        self.calls.append({"tag": "train", "n": None, "temperature": None, **kwargs, "prompts": list(prompts), "groups": groups})
+        self.calls.append(
+            {"tag": "train", "n": None, "temperature": None, **kwargs, "prompts": list(prompts), "groups": groups}
+        )
         return groups
 
 
@@ -120,13 +122,21 @@ COLLAPSE_TRIPWIRE = {"window": 2, "min_response_length": 1.5, "max_reward_drop":
 
 
 def test_a_collapse_fires_the_tripwire_pins_its_checkpoint_and_stops_the_run(warm_model, tmp_path):
-    cfg = make_config(tmp_path / "run", warm_model, train={"steps": 8}, checkpoint={"every": 1, "keep_last": 1}, tripwire=COLLAPSE_TRIPWIRE)
+    cfg = make_config(
+        tmp_path / "run",
+        warm_model,
+        train={"steps": 8},
+        checkpoint={"every": 1, "keep_last": 1},
+        tripwire=COLLAPSE_TRIPWIRE,
+    )
     launcher = Launcher(Collapsing)
     assert train(cfg, make_sampler=launcher) == exit_codes.TRIPWIRE == 4
 
     rows = metrics(cfg.run_dir)
     # the end-of-sequence token closing an answer is not counted: an empty answer measures 0
-    assert [r["response_length"] for r in rows if r["step"] > Collapsing.COLLAPSE_FROM] == [0.0] * (len(rows) - Collapsing.COLLAPSE_FROM)
+    assert [r["response_length"] for r in rows if r["step"] > Collapsing.COLLAPSE_FROM] == [0.0] * (
+        len(rows) - Collapsing.COLLAPSE_FROM
+    )
     assert all(r["response_length"] > 0.0 for r in rows[: Collapsing.COLLAPSE_FROM])
     fired = first_short_window(rows, 2, 1.5)
     assert fired in (Collapsing.COLLAPSE_FROM + 1, Collapsing.COLLAPSE_FROM + 2)
@@ -138,7 +148,11 @@ def test_a_collapse_fires_the_tripwire_pins_its_checkpoint_and_stops_the_run(war
     assert checkpoints(cfg.run_dir) == [f"step_{fired:08d}"]
     pinned = step_dir(cfg.run_dir, fired)
     reason = (pinned / ckpt.PINNED_FILE).read_text().strip()
-    assert reason.startswith("response length collapsed") and f"at step {fired}," in reason and "min_response_length = 1.5" in reason
+    assert (
+        reason.startswith("response length collapsed")
+        and f"at step {fired}," in reason
+        and "min_response_length = 1.5" in reason
+    )
 
     result = stage_result(cfg.run_dir)
     assert result["exit_code"] == exit_codes.TRIPWIRE and result["finished"] is False
@@ -157,7 +171,11 @@ def test_a_collapse_fires_the_tripwire_pins_its_checkpoint_and_stops_the_run(war
 
 
 def test_the_tripwire_state_survives_a_resume(warm_model, tmp_path):
-    sections = {"train": {"steps": 8}, "checkpoint": {"every": 1, "keep_last": 2}, "tripwire": {**COLLAPSE_TRIPWIRE, "window": 3}}
+    sections = {
+        "train": {"steps": 8},
+        "checkpoint": {"every": 1, "keep_last": 2},
+        "tripwire": {**COLLAPSE_TRIPWIRE, "window": 3},
+    }
     straight = make_config(tmp_path / "straight", warm_model, **sections)
     assert train(straight, make_sampler=Launcher(Collapsing)) == exit_codes.TRIPWIRE
     expected = stage_result(straight.run_dir)["collapse_tripwire"]
@@ -174,14 +192,26 @@ def test_the_tripwire_state_survives_a_resume(warm_model, tmp_path):
         assert len(codes) <= 8
     assert codes == [exit_codes.RESUMABLE_STOP] * (fired - 1) + [exit_codes.TRIPWIRE]
     got = stage_result(interrupted.run_dir)["collapse_tripwire"]
-    assert (got["fired_at_step"], got["reason"], got["best_window_reward"]) == (fired, expected["reason"], expected["best_window_reward"])
+    assert (got["fired_at_step"], got["reason"], got["best_window_reward"]) == (
+        fired,
+        expected["reason"],
+        expected["best_window_reward"],
+    )
     assert without_timings(metrics(interrupted.run_dir)) == without_timings(metrics(straight.run_dir))
     assert (step_dir(interrupted.run_dir, fired) / ckpt.PINNED_FILE).read_text().strip() == expected["reason"]
 
     # Relaunching a fired run exits 4 at once: nothing sampled, trained, saved or logged.
-    before = (interrupted.run_dir / "metrics.jsonl").read_bytes(), checkpoints(interrupted.run_dir), len(launcher.samplers)
+    before = (
+        (interrupted.run_dir / "metrics.jsonl").read_bytes(),
+        checkpoints(interrupted.run_dir),
+        len(launcher.samplers),
+    )
     assert train(interrupted, make_sampler=launcher) == exit_codes.TRIPWIRE
-    assert ((interrupted.run_dir / "metrics.jsonl").read_bytes(), checkpoints(interrupted.run_dir), len(launcher.samplers)) == before
+    assert (
+        (interrupted.run_dir / "metrics.jsonl").read_bytes(),
+        checkpoints(interrupted.run_dir),
+        len(launcher.samplers),
+    ) == before
     again = stage_result(interrupted.run_dir)
     assert again["exit_code"] == exit_codes.TRIPWIRE and again["collapse_tripwire"]["reason"] == expected["reason"]
     assert again["banner"]["resumed_from"] == str(step_dir(interrupted.run_dir, fired))
@@ -191,14 +221,18 @@ def test_a_policy_that_only_ends_its_answers_fires_the_default_tripwire(warm_mod
     cfg = make_config(tmp_path / "run", warm_model, train={"steps": 6}, tripwire={"window": 2, "max_reward_drop": 10.0})
     assert train(cfg, make_sampler=Launcher(Collapsing)) == exit_codes.TRIPWIRE
     # No token at all: no length and no entropy left to measure; either signal may name it.
-    assert stage_result(cfg.run_dir)["collapse_tripwire"]["reason"].startswith(("response length collapsed", "entropy collapsed"))
+    assert stage_result(cfg.run_dir)["collapse_tripwire"]["reason"].startswith(
+        ("response length collapsed", "entropy collapsed")
+    )
 
 
 def test_a_policy_that_stops_answering_altogether_fires_the_tripwire(warm_model, tmp_path):
     cfg = make_config(tmp_path / "run", warm_model, train={"steps": 6}, tripwire={"window": 2})
     assert train(cfg, make_sampler=Launcher(Emptied)) == exit_codes.TRIPWIRE
     # No token at all: no length and no entropy left to measure; either signal may name it.
-    assert stage_result(cfg.run_dir)["collapse_tripwire"]["reason"].startswith(("response length collapsed", "entropy collapsed"))
+    assert stage_result(cfg.run_dir)["collapse_tripwire"]["reason"].startswith(
+        ("response length collapsed", "entropy collapsed")
+    )
 
 
 # -- the canary ----------------------------------------------------------------------------------
@@ -228,18 +262,21 @@ def test_the_canary_answers_held_out_problems_greedily(warm_model, tmp_path):
     assert not set(canary_prompts) & {p.prompt for p in train_problems}
     calls = launcher.calls("canary")
     assert [(c["step"], c["n"], c["temperature"], c["prompts"], c["weights_dir"]) for c in calls] == [
-        (s, 1, 0.0, canary_prompts, w) for s, w in zip((0, 2, 4, 6), weights)
+        (s, 1, 0.0, canary_prompts, w) for s, w in zip((0, 2, 4, 6), weights, strict=False)
     ]
     assert calls[0]["content_id"] is None
     # the content id the published weights had when the next step sampled from them
     content = {c["step"]: c["content_id"] for c in launcher.calls("train") if c["attempt"] == 0}
     content[6] = json.loads((cfg.run_dir / "weights" / "step_00000006" / "manifest.json").read_text())["content_id"]
-    assert [c["content_id"] for c in calls[1:]] == [content[s] for s in (2, 4, 6)] and None not in {content[s] for s in (2, 4, 6)}
+    assert [c["content_id"] for c in calls[1:]] == [content[s] for s in (2, 4, 6)] and None not in {
+        content[s] for s in (2, 4, 6)
+    }
     assert all(len(g.samples) == 1 for c in calls for g in c["groups"])
     # the recorded accuracy is the greedy answers' accuracy
     with Verifier() as verifier:
-        for row, call in zip(rows, calls):
-            right = [verifier.is_correct(g.samples[0].text, p.gold) for g, p in zip(call["groups"], held_out[:5])]
+        for row, call in zip(rows, calls, strict=False):
+            answers = zip(call["groups"], held_out[:5], strict=True)
+            right = [verifier.is_correct(g.samples[0].text, p.gold) for g, p in answers]
             assert row["accuracy"] == sum(right) / 5
     # training never sampled a held-out problem
     assert not {p for c in launcher.calls("train") for p in c["prompts"]} & set(p.prompt for p in held_out)
@@ -283,11 +320,21 @@ def test_the_banner_records_what_the_run_starts_from(warm_model, tmp_path):
     assert first["banner"]["resumed_from"] is None
     assert banner["resumed_from"] == str(step_dir(cfg.run_dir, 1))
     assert banner["stage"] == "grpo" and banner["substrate"] == str(warm_model)
-    assert banner["shape"] == {"prompts_per_step": 4, "G": 4, "max_response_len": 4, "loss_denominator": "token",
-                               "optimizer_steps": 2, "grad_accum": 2}
+    assert banner["shape"] == {
+        "prompts_per_step": 4,
+        "G": 4,
+        "max_response_len": 4,
+        "loss_denominator": "token",
+        "optimizer_steps": 2,
+        "grad_accum": 2,
+    }
     assert banner["task"] == {"kind": "arithmetic", "train_problems": 90, "held_out": 10}
     assert banner["ceiling"] == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": 100}
-    assert banner["topology"] == {"train_ranks": 1, "rollout_device": "workers on the spool", "rollout": f"workers on {cfg.spool_dir}"}
+    assert banner["topology"] == {
+        "train_ranks": 1,
+        "rollout_device": "workers on the spool",
+        "rollout": f"workers on {cfg.spool_dir}",
+    }
     assert banner["band_file"] is None and banner["band_prompts"] is None
     assert "grad clip 1.0" in banner["safety"] and "canary every off" in banner["safety"]
     assert "tripwire armed (window 20)" in banner["safety"] and "policy lag <= 0" in banner["safety"]
@@ -299,7 +346,9 @@ def test_the_banner_records_what_the_run_starts_from(warm_model, tmp_path):
 
 
 def test_band_file_is_made_from_the_starting_model_and_refused_for_another(warm_model, tiny_model, tmp_path):
-    band_cfg = make_config(tmp_path / "band-run", warm_model, band={"samples": 4, "candidates": 20, "out": str(tmp_path / "band.jsonl")})
+    band_cfg = make_config(
+        tmp_path / "band-run", warm_model, band={"samples": 4, "candidates": 20, "out": str(tmp_path / "band.jsonl")}
+    )
     sampler = Recording(band_cfg)
     report = run_band(band_cfg, sampler=sampler)
 
@@ -308,7 +357,11 @@ def test_band_file_is_made_from_the_starting_model_and_refused_for_another(warm_
     manifest = json.loads((tmp_path / "band.jsonl.manifest.json").read_text())
     model = os.path.realpath(warm_model)
     assert manifest["model"] == model and manifest["content_id"] == weights_content_id(model)
-    assert sum(manifest["counts"].values()) == 20 and manifest["settings"]["samples"] == 4 and manifest["settings"]["candidates"] == 20
+    assert (
+        sum(manifest["counts"].values()) == 20
+        and manifest["settings"]["samples"] == 4
+        and manifest["settings"]["candidates"] == 20
+    )
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert manifest["rows"] == len(rows) == manifest["counts"]["band"]
     assert all(band_cfg.band.low <= r["pass_rate"] <= band_cfg.band.high for r in rows)
@@ -319,10 +372,18 @@ def test_band_file_is_made_from_the_starting_model_and_refused_for_another(warm_
     candidates = load_problems(band_cfg.data, band_cfg.run.seed)[0][:20]
     assert [p for c in sampler.calls for p in c["prompts"]] == [p.prompt for p in candidates]
     with Verifier() as verifier:
-        rates = [sum(verifier.is_correct(s.text, p.gold) for s in g.samples) / 4
-                 for p, g in zip(candidates, [g for c in sampler.calls for g in c["groups"]])]
-    assert [(p.prompt, r) for p, r in zip(candidates, rates) if 0.1 <= r <= 0.9] == [(r["prompt"], r["pass_rate"]) for r in rows]
-    assert manifest["counts"] == {"never": sum(r < 0.1 for r in rates), "band": len(rows), "always": sum(r > 0.9 for r in rates)}
+        rates = [
+            sum(verifier.is_correct(s.text, p.gold) for s in g.samples) / 4
+            for p, g in zip(candidates, [g for c in sampler.calls for g in c["groups"]], strict=False)
+        ]
+    assert [(p.prompt, r) for p, r in zip(candidates, rates, strict=False) if 0.1 <= r <= 0.9] == [
+        (r["prompt"], r["pass_rate"]) for r in rows
+    ]
+    assert manifest["counts"] == {
+        "never": sum(r < 0.1 for r in rates),
+        "band": len(rows),
+        "always": sum(r > 0.9 for r in rates),
+    }
     assert rows, "the warm model should solve some candidates sometimes"
 
     # training on the band file passes the band gate, and trains on band prompts only

@@ -82,8 +82,8 @@ def test_config_errors_and_help_import_no_torch(tmp_path):
         import sys
         from typer.testing import CliRunner
         from trainer_svc.cli import app
-        codes = [CliRunner().invoke(app, args).exit_code
-                 for args in (["--help"], ["train", "--help"], ["sft", "--help"], ["plot", "--help"], ["train", {str(bad)!r}])]
+        commands = (["--help"], ["train", "--help"], ["sft", "--help"], ["plot", "--help"], ["train", {str(bad)!r}])
+        codes = [CliRunner().invoke(app, args).exit_code for args in commands]
         print(codes, sorted(m for m in ("torch", "transformers", "matplotlib") if m in sys.modules))
         """
     )
@@ -142,7 +142,14 @@ def write_metrics(run_dir: Path, steps: int = 30) -> None:
 
 
 def test_plot_metrics_keys_are_the_panels():
-    assert {key for key, _ in PANELS} == {"reward_mean", "accuracy", "loss", "entropy", "response_length", "mismatch_mean"}
+    assert {key for key, _ in PANELS} == {
+        "reward_mean",
+        "accuracy",
+        "loss",
+        "entropy",
+        "response_length",
+        "mismatch_mean",
+    }
 
 
 def test_plot_writes_a_png(tmp_path):

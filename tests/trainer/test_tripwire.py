@@ -98,7 +98,11 @@ def test_a_collapse_from_the_first_step_waits_for_a_full_window(signal, value):
 EDGES = {
     "entropy at min_entropy": ({"min_entropy": 0.25}, [{**HEALTHY, "entropy": 0.25}] * 2, False),
     "length at min_response_length": ({"min_response_length": 0.5}, [{**HEALTHY, "response_length": 0.5}] * 2, False),
-    "drop of max_reward_drop": ({"max_reward_drop": 0.5}, [{**HEALTHY, "reward_mean": r} for r in (1.0, 1.0, 0.0)], False),
+    "drop of max_reward_drop": (
+        {"max_reward_drop": 0.5},
+        [{**HEALTHY, "reward_mean": r} for r in (1.0, 1.0, 0.0)],
+        False,
+    ),
     "length at the cap": ({"max_length_fraction": 0.5}, [{**HEALTHY, "response_length": 8.0}] * 2, True),
 }
 
@@ -153,8 +157,12 @@ def test_as_log_dict_is_json_and_names_the_thresholds():
     assert log["fired"] is True and log["fired_at_step"] == 3 and "response length" in log["reason"]
     assert log["best_window_reward"] == 0.5
     assert log["thresholds"] == {
-        "window": 3, "min_entropy": 0.02, "max_reward_drop": 0.3,
-        "min_response_length": 0.5, "max_length_fraction": 0.98, "max_tokens": MAX_TOKENS,
+        "window": 3,
+        "min_entropy": 0.02,
+        "max_reward_drop": 0.3,
+        "min_response_length": 0.5,
+        "max_length_fraction": 0.98,
+        "max_tokens": MAX_TOKENS,
     }
 
 
@@ -173,11 +181,13 @@ def round_tripped(original: CollapseTripwire, cfg: TripwireConfig) -> CollapseTr
     return restored
 
 
-observation = st.fixed_dictionaries({
-    "reward_mean": st.floats(-1.0, 2.0),
-    "entropy": st.floats(0.0, 0.1),  # near min_entropy, so some windows fire and some do not
-    "response_length": st.floats(0.0, float(MAX_TOKENS)),
-})
+observation = st.fixed_dictionaries(
+    {
+        "reward_mean": st.floats(-1.0, 2.0),
+        "entropy": st.floats(0.0, 0.1),  # near min_entropy, so some windows fire and some do not
+        "response_length": st.floats(0.0, float(MAX_TOKENS)),
+    }
+)
 
 
 @settings(max_examples=200, deadline=None)

@@ -540,7 +540,12 @@ def _child_fsdp(root: str, tied: str, untied: str) -> int:
         assert (written is not None) == dist_info.is_main
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    # Leave without interpreter finalization: on a loaded machine torch's gloo threads sometimes
+    # abort the process there (SIGABRT, "terminate called without an active exception") after
+    # DTensor gathers, with or without the writer; the work above is complete and flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

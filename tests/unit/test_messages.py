@@ -26,6 +26,7 @@ from protocol.messages import (
     encode,
     encode_pretty,
     is_valid_id,
+    is_valid_worker_id,
 )
 
 # -- strategies built from the field constraints ---------------------------------------------------
@@ -91,12 +92,12 @@ results = st.builds(
 
 statuses = st.builds(
     WorkerStatus,
-    worker_id=ids,
+    worker_id=ids.filter(is_valid_worker_id),
     pid=st.integers(min_value=1, max_value=2**31),
     host=st.text(max_size=30),
     device=st.sampled_from(["cpu", "cuda:0", "cuda:7"]),
     engine=st.text(max_size=30),
-    state=st.sampled_from(["starting", "loading", "idle", "generating", "reloading", "stopping"]),
+    state=st.sampled_from(["starting", "loading", "idle", "sleeping", "generating", "reloading", "stopping"]),
     lease_s=st.floats(min_value=0.0, **finite),
     started_at=st.floats(**finite),
     heartbeat_at=st.floats(**finite),
@@ -371,7 +372,7 @@ def test_status_refuses_unknown_state():
         started_at=0.0, heartbeat_at=0.0,
     )  # fmt: skip
     data = msgspec.to_builtins(status)
-    data["state"] = "sleeping"
+    data["state"] = "dreaming"
     error = refused(json.dumps(data).encode(), decode_status)
     assert error.code is ErrorCode.INVALID_REQUEST and "`$.state`" in error.message
 

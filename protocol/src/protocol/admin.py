@@ -72,8 +72,7 @@ def requeue_request(spool: Spool, request_id: str, *, force: bool = False) -> os
             source = candidate
     if source is None:
         raise RequeueError(
-            f"no request file for {request_id} in claimed/, bad/ or done/ of {spool.root}; "
-            "submit it again instead"
+            f"no request file for {request_id} in claimed/, bad/ or done/ of {spool.root}; submit it again instead"
         )
     stamp = time.strftime("%Y%m%dT%H%M%S")
     for old in (spool.result_path(request_id), spool.consumed_result_path(request_id)):

@@ -1,13 +1,13 @@
 """`spoolctl`: an operator's view of a spool. Every command reads like `ls`; `--json` for scripts.
 
-    spoolctl stats  -s /srv/spool          queue depth, oldest request, live workers
-    spoolctl ls     -s /srv/spool bad      entries of one or more states, with ages
-    spoolctl show   -s /srv/spool ID       every file of one request id
-    spoolctl requeue -s /srv/spool ID      put a request back in requests/ (from bad/, done/...)
-    spoolctl recover -s /srv/spool         give dead workers' claims back now
-    spoolctl prune  -s /srv/spool --older-than 7d
-    spoolctl init   /srv/spool             create the layout
-    spoolctl eval   -s /srv/spool prompts.jsonl --weights DIR --out out.jsonl
+spoolctl stats  -s /srv/spool          queue depth, oldest request, live workers
+spoolctl ls     -s /srv/spool bad      entries of one or more states, with ages
+spoolctl show   -s /srv/spool ID       every file of one request id
+spoolctl requeue -s /srv/spool ID      put a request back in requests/ (from bad/, done/...)
+spoolctl recover -s /srv/spool         give dead workers' claims back now
+spoolctl prune  -s /srv/spool --older-than 7d
+spoolctl init   /srv/spool             create the layout
+spoolctl eval   -s /srv/spool prompts.jsonl --weights DIR --out out.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -85,7 +85,9 @@ def init(spool_dir: Annotated[Path, typer.Argument(help="Directory to create the
 @app.command("ls")
 def list_entries(
     spool_dir: SpoolOpt,
-    states: Annotated[Optional[list[str]], typer.Argument(help=f"States to list: {', '.join(STATES)}; default all but tmp.")] = None,
+    states: Annotated[
+        list[str] | None, typer.Argument(help=f"States to list: {', '.join(STATES)}; default all but tmp.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List entries by state, oldest first, with their ages."""
@@ -109,7 +111,9 @@ def list_entries(
 
 
 @app.command()
-def show(spool_dir: SpoolOpt, request_id: Annotated[str, typer.Argument(help="Request id.")], as_json: JsonOpt = False) -> None:
+def show(
+    spool_dir: SpoolOpt, request_id: Annotated[str, typer.Argument(help="Request id.")], as_json: JsonOpt = False
+) -> None:
     """Show every file of one request id: the request, its claim, its result."""
     spool = _open(spool_dir)
     paths = spool.locate(request_id)
@@ -162,7 +166,9 @@ def requeue(
 @app.command()
 def recover(
     spool_dir: SpoolOpt,
-    lease: Annotated[float, typer.Option(help="Lease for claims whose worker left no status file (s).")] = DEFAULT_LEASE_S,
+    lease: Annotated[
+        float, typer.Option(help="Lease for claims whose worker left no status file (s).")
+    ] = DEFAULT_LEASE_S,
 ) -> None:
     """Give claims of dead workers (heartbeat older than their lease) back to requests/."""
     spool = _open(spool_dir)
@@ -173,13 +179,18 @@ def recover(
 @app.command()
 def prune(
     spool_dir: SpoolOpt,
-    older_than: Annotated[str, typer.Option(help="Delete done/ entries archived longer ago than this (90s, 15m, 2h, 7d).")],
+    older_than: Annotated[
+        str, typer.Option(help="Delete done/ entries archived longer ago than this (90s, 15m, 2h, 7d).")
+    ],
     tmp_older_than: Annotated[str, typer.Option(help="Delete tmp/ leftovers older than this.")] = "1h",
 ) -> None:
     """Delete old entries of done/ and leftover scratch files of tmp/."""
     spool = _open(spool_dir)
     removed = spool.prune(done_older_than_s=parse_duration(older_than), tmp_older_than_s=parse_duration(tmp_older_than))
-    typer.echo(f"removed {removed['done']} from done/, {removed['tmp']} from tmp/, {removed['workers']} dead workers' status files")
+    typer.echo(
+        f"removed {removed['done']} from done/, {removed['tmp']} "
+        f"from tmp/, {removed['workers']} dead workers' status files"
+    )
 
 
 @app.command()
@@ -217,7 +228,9 @@ def stats(spool_dir: SpoolOpt, as_json: JsonOpt = False) -> None:
 @app.command("eval")
 def evaluate(
     spool_dir: SpoolOpt,
-    prompts: Annotated[Path, typer.Argument(help="JSONL: {'prompt': ...} rows, or GSM8K rows with 'question' and 'answer' ('#### N').")],
+    prompts: Annotated[
+        Path, typer.Argument(help="JSONL: {'prompt': ...} rows, or GSM8K rows with 'question' and 'answer' ('#### N').")
+    ],
     weights: Annotated[Path, typer.Option(help="Weights directory to evaluate (absolute, readable by the workers).")],
     out: Annotated[Path, typer.Option(help="Where to write completions (JSONL).")],
     max_tokens: Annotated[int, typer.Option(help="Tokens per completion.")] = 256,
@@ -240,8 +253,14 @@ def evaluate(
     try:
         with SpoolClient(spool.root, create=False) as client:
             report = run_eval(
-                client, rows, weights_dir=str(weights.absolute()), max_tokens=max_tokens, n_samples=n_samples,
-                temperature=temperature, prompts_per_request=prompts_per_request, timeout_s=timeout,
+                client,
+                rows,
+                weights_dir=str(weights.absolute()),
+                max_tokens=max_tokens,
+                n_samples=n_samples,
+                temperature=temperature,
+                prompts_per_request=prompts_per_request,
+                timeout_s=timeout,
             )
     except (WaitError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .messages import Request, Result
 from .spool import DEFAULT_LEASE_S, Spool, id_from_name, name_for_id, split_claimed_name
@@ -83,7 +83,12 @@ class SpoolClient:
         return self._waker
 
     def wait(
-        self, request_ids: list[str], timeout_s: float, *, consume: bool = True, on_poll: Callable[[], None] | None = None
+        self,
+        request_ids: list[str],
+        timeout_s: float,
+        *,
+        consume: bool = True,
+        on_poll: Callable[[], None] | None = None,
     ) -> dict[str, Result]:
         """Block until each id has a result, and return them by id.
 

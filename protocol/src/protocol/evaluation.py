@@ -31,6 +31,7 @@ from .fsio import replace_atomic
 from .jsonl import json_lines
 from .messages import Request
 
+
 class RowError(ValueError):
     """A prompt file row that cannot be used; the message names the file and line."""
 
@@ -108,7 +109,9 @@ def run_eval(
     failed = [r for r in results.values() if not r.ok]
     if failed:
         first = failed[0]
-        raise RuntimeError(f"{len(failed)} eval requests failed; {first.request_id}: {first.error.code.value}: {first.error.message}")
+        raise RuntimeError(
+            f"{len(failed)} eval requests failed; {first.request_id}: {first.error.code.value}: {first.error.message}"
+        )
     completions = [texts for request in requests for texts in results[request.request_id].texts]
     out, scored, correct = [], 0, 0
     for row, texts in zip(rows, completions, strict=True):

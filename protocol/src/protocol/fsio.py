@@ -57,9 +57,7 @@ def link_no_replace(scratch: Path, final: Path) -> bool:
         os.unlink(scratch)
 
 
-def publish(
-    scratch_dir: Path, final: Path, data: bytes, *, replace: bool = False, durable: bool = True
-) -> bool:
+def publish(scratch_dir: Path, final: Path, data: bytes, *, replace: bool = False, durable: bool = True) -> bool:
     """Atomically make `final` hold `data`. See link_no_replace for the return value.
 
     With `replace` the file is renamed over any existing one (always True). With `durable`

@@ -52,9 +52,9 @@ from .messages import (
     decode_result,
     decode_status,
     encode,
-    validate,
     encode_pretty,
     is_valid_id,
+    validate,
 )
 
 STATES = ("tmp", "requests", "claimed", "results", "done", "bad", "workers")
@@ -261,7 +261,7 @@ class Spool:
                 fsio.write_synced(scratch, encode_pretty(request))
                 scratch_paths.append(scratch)
             finals = []
-            for request, scratch in zip(requests, scratch_paths):
+            for request, scratch in zip(requests, scratch_paths, strict=False):
                 final = self.request_path(request.request_id)
                 if not fsio.link_no_replace(scratch, final):
                     raise RequestExists(f"request id {request.request_id!r} was submitted concurrently")
@@ -291,9 +291,7 @@ class Spool:
             pass
 
     def has_result(self, request_id: str) -> bool:
-        return os.path.lexists(self.result_path(request_id)) or os.path.lexists(
-            self.consumed_result_path(request_id)
-        )
+        return os.path.lexists(self.result_path(request_id)) or os.path.lexists(self.consumed_result_path(request_id))
 
     def locate(self, request_id: str, claimed_names: set[str] | None = None) -> list[Path]:
         """Every file of this request id, in any state. `claimed_names` (original names of the

@@ -47,8 +47,14 @@ def run_band(cfg: Config, sampler=None) -> dict:
         for start in range(0, len(candidates), BATCH):
             batch = candidates[start : start + BATCH]
             groups = sampler.sample(
-                [p.prompt for p in batch], weights_dir=model, content_id=None, step=start // BATCH,
-                attempt=0, seed=cfg.run.seed + start, n=cfg.band.samples, tag="band",
+                [p.prompt for p in batch],
+                weights_dir=model,
+                content_id=None,
+                step=start // BATCH,
+                attempt=0,
+                seed=cfg.run.seed + start,
+                n=cfg.band.samples,
+                tag="band",
             )
             for problem, group in zip(batch, groups, strict=True):
                 rate = sum(verifier.is_correct(s.text, problem.gold) for s in group.samples) / len(group.samples)
@@ -70,13 +76,20 @@ def run_band(cfg: Config, sampler=None) -> dict:
         "content_id": weights_content_id(model),
         "rows": len(rows),
         "counts": counts,
-        "settings": {"samples": cfg.band.samples, "low": cfg.band.low, "high": cfg.band.high, "temperature": cfg.rollout.temperature,
-                     "max_tokens": cfg.rollout.max_tokens, "candidates": len(candidates), "task": cfg.data.task,
-                     # the split that kept held-out problems out of the candidates
-                     "seed": cfg.run.seed, "held_out": cfg.data.held_out},
+        "settings": {
+            "samples": cfg.band.samples,
+            "low": cfg.band.low,
+            "high": cfg.band.high,
+            "temperature": cfg.rollout.temperature,
+            "max_tokens": cfg.rollout.max_tokens,
+            "candidates": len(candidates),
+            "task": cfg.data.task,
+            # the split that kept held-out problems out of the candidates
+            "seed": cfg.run.seed,
+            "held_out": cfg.data.held_out,
+        },
         "created_at": time.time(),
     }
     replace_atomic(out, "".join(json.dumps(r) + "\n" for r in rows).encode())
     replace_atomic(Path(str(out) + ".manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
     return {"path": str(out), **manifest}
-

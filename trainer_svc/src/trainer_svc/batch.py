@@ -55,7 +55,9 @@ def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int) -> Batch
         mask[i, start:end] = 1.0
         if rollout_lps[i]:
             rollout[i, start:end] = torch.tensor(rollout_lps[i], dtype=torch.float32)
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, rollout, torch.tensor(seq_adv, dtype=torch.float32))
+    return Batch(
+        input_ids, attention, input_ids[:, 1:].clone(), mask, rollout, torch.tensor(seq_adv, dtype=torch.float32)
+    )
 
 
 def rank_share(batch: Batch, rank: int, world_size: int) -> Batch:

@@ -21,8 +21,9 @@ CANARY_FILE = "canary.jsonl"
 
 
 class Canary:
-    def __init__(self, cfg: Config, held_out: list[Problem], verifier: Verifier, sampler: Sampler | None,
-                 resumed_step: int = 0):
+    def __init__(
+        self, cfg: Config, held_out: list[Problem], verifier: Verifier, sampler: Sampler | None, resumed_step: int = 0
+    ):
         """`sampler` None: a canary that never runs (ranks other than 0)."""
         self.every = cfg.canary.every if sampler is not None else 0
         self.problems = held_out[: cfg.canary.problems]
@@ -46,12 +47,26 @@ class Canary:
 
     def run(self, step: int, weights: WeightsRef) -> dict:
         groups = self.sampler.sample(
-            [p.prompt for p in self.problems], weights_dir=weights.dir, content_id=weights.content_id,
-            step=step, attempt=0, seed=0, n=1, temperature=0.0, tag="canary",
+            [p.prompt for p in self.problems],
+            weights_dir=weights.dir,
+            content_id=weights.content_id,
+            step=step,
+            attempt=0,
+            seed=0,
+            n=1,
+            temperature=0.0,
+            tag="canary",
         )
-        correct = [self.verifier.is_correct(g.samples[0].text, p.gold) for p, g in zip(self.problems, groups, strict=True)]
-        record = {"step": step, "accuracy": sum(correct) / len(correct), "n": len(correct), "weights_dir": weights.dir,
-                  "time": time.time()}
+        correct = [
+            self.verifier.is_correct(g.samples[0].text, p.gold) for p, g in zip(self.problems, groups, strict=True)
+        ]
+        record = {
+            "step": step,
+            "accuracy": sum(correct) / len(correct),
+            "n": len(correct),
+            "weights_dir": weights.dir,
+            "time": time.time(),
+        }
         self.history.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

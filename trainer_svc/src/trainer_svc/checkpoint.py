@@ -37,8 +37,17 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step_"
 STATE_DIR = "trainer_state"
 PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,11 @@ def full_optimizer_state(model, optimizer, dist_info: Distributed) -> dict | Non
 def load_optimizer_state(model, optimizer, path: Path, dist_info: Distributed) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    state = torch.load(path, map_location="cpu", weights_only=True) if dist_info.is_main or dist_info.world_size == 1 else {}
+    state = (
+        torch.load(path, map_location="cpu", weights_only=True)
+        if dist_info.is_main or dist_info.world_size == 1
+        else {}
+    )
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist_info.world_size > 1)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
@@ -146,13 +159,20 @@ def save(
     return Checkpoint(final, step, content_id)
 
 
-def save_and_prune(cfg, step: int, policy, trainer_state: dict, dist_info: Distributed,
-                   pin_reason: str | None = None) -> Checkpoint:
+def save_and_prune(
+    cfg, step: int, policy, trainer_state: dict, dist_info: Distributed, pin_reason: str | None = None
+) -> Checkpoint:
     """Save checkpoint `step`, then keep the newest `checkpoint.keep_last` (and pinned ones).
     Every rank calls it and gets the new checkpoint back."""
     saved = save(
-        run_dir=cfg.run_dir, step=step, model=policy.model, optimizer=policy.optimizer, base_model=Path(cfg.model.path),
-        trainer_state=trainer_state, dist_info=dist_info, pin_reason=pin_reason,
+        run_dir=cfg.run_dir,
+        step=step,
+        model=policy.model,
+        optimizer=policy.optimizer,
+        base_model=Path(cfg.model.path),
+        trainer_state=trainer_state,
+        dist_info=dist_info,
+        pin_reason=pin_reason,
     )
     if dist_info.is_main:
         prune(cfg.run_dir, cfg.checkpoint.keep_last)

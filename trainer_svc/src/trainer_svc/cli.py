@@ -12,14 +12,22 @@ import typer
 
 from protocol import exit_codes
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="GRPO trainer using rollout workers through a spool.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="GRPO trainer using rollout workers through a spool.",
+)
 
 ConfigArg = Annotated[Path, typer.Argument(help="Run config (TOML).")]
 
 
 def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == "0" else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+    )
 
 
 def _fail(code: int, message: str) -> typer.Exit:
@@ -51,7 +59,10 @@ def check_before_work(cfg, *, need_model: bool = True) -> None:
 
 
 @app.command()
-def train(config: ConfigArg, smoke: Annotated[bool, typer.Option(help="A tiny shape of the same run (a few small steps).")] = False) -> None:
+def train(
+    config: ConfigArg,
+    smoke: Annotated[bool, typer.Option(help="A tiny shape of the same run (a few small steps).")] = False,
+) -> None:
     """Run GRPO; relaunching with the same run directory resumes from its newest checkpoint."""
     _setup_logging()
     cfg = _load(config, smoke)
@@ -79,7 +90,10 @@ def train(config: ConfigArg, smoke: Annotated[bool, typer.Option(help="A tiny sh
                 f"reward {s['reward_first']:.3f} (first 10 steps) -> {s['reward_last']:.3f} (last 10); "
                 f"accuracy {s['accuracy_last']:.3f}; {s['steps']} steps in {s['wall_s']:.0f} s"
             )
-        typer.echo(f"results: {cfg.run_dir / 'stage_result.json'}, {cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`")
+        typer.echo(
+            f"results: {cfg.run_dir / 'stage_result.json'}, "
+            f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`"
+        )
     raise typer.Exit(code)
 
 
@@ -102,7 +116,9 @@ def sft(config: ConfigArg) -> None:
         report = run_sft(cfg)
     except FileExistsError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
-    typer.echo(f"warm-up: {report['steps']} steps, sampled accuracy {report['sampled_accuracy']:.2f}; model in {report['out']}")
+    typer.echo(
+        f"warm-up: {report['steps']} steps, sampled accuracy {report['sampled_accuracy']:.2f}; model in {report['out']}"
+    )
 
 
 @app.command()
@@ -119,12 +135,17 @@ def band(config: ConfigArg) -> None:
     except (RolloutUnavailable, RolloutFailed) as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
     counts = report["counts"]
-    typer.echo(f"{report['rows']} prompts in the band ({counts['never']} never solved, {counts['always']} always); "
-               f"band file {report['path']}, manifest {report['path']}.manifest.json")
+    typer.echo(
+        f"{report['rows']} prompts in the band ({counts['never']} never solved, {counts['always']} always); "
+        f"band file {report['path']}, manifest {report['path']}.manifest.json"
+    )
 
 
 @app.command()
-def plot(run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).")], out: Annotated[Path | None, typer.Option(help="PNG path; default RUN_DIR/training.png.")] = None) -> None:
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).")],
+    out: Annotated[Path | None, typer.Option(help="PNG path; default RUN_DIR/training.png.")] = None,
+) -> None:
     """Draw reward, loss, entropy, response length and logprob mismatch against step."""
     from .plot import plot as draw
 

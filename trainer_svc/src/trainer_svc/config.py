@@ -56,8 +56,11 @@ class DataConfig(Struct):
             raise ValueError("data.path must name a JSONL file when data.task = 'file'")
         if self.arithmetic_high < self.arithmetic_low:
             raise ValueError("data.arithmetic_high must be >= data.arithmetic_low")
-        if not self.arithmetic_ops or len(set(self.arithmetic_ops)) != len(self.arithmetic_ops) \
-                or not set(self.arithmetic_ops) <= set("+-*"):
+        if (
+            not self.arithmetic_ops
+            or len(set(self.arithmetic_ops)) != len(self.arithmetic_ops)
+            or not set(self.arithmetic_ops) <= set("+-*")
+        ):
             raise ValueError(f"data.arithmetic_ops must be distinct characters of '+-*', got {self.arithmetic_ops!r}")
 
 
@@ -232,7 +235,9 @@ def _resolve_paths(config: Config) -> Config:
         sft=msgspec.structs.replace(config.sft, base=resolve(config.sft.base)) if config.sft else None,
         run=msgspec.structs.replace(config.run, dir=resolve(config.run.dir)),
         model=msgspec.structs.replace(config.model, path=resolve(config.model.path)),
-        data=msgspec.structs.replace(config.data, path=resolve(config.data.path), band_file=resolve(config.data.band_file)),
+        data=msgspec.structs.replace(
+            config.data, path=resolve(config.data.path), band_file=resolve(config.data.band_file)
+        ),
         band=msgspec.structs.replace(config.band, out=resolve(config.band.out)),
         publish=msgspec.structs.replace(config.publish, dir=resolve(config.publish.dir)),
         rollout=msgspec.structs.replace(
@@ -245,9 +250,13 @@ def smoke_shape(config: Config) -> Config:
     """`--smoke`: the same run, tiny: a few small steps, to check a setup end to end."""
     return msgspec.structs.replace(
         config,
-        run=msgspec.structs.replace(config.run, dir=str(Path(config.run.dir).with_name(Path(config.run.dir).name + "-smoke"))),
+        run=msgspec.structs.replace(
+            config.run, dir=str(Path(config.run.dir).with_name(Path(config.run.dir).name + "-smoke"))
+        ),
         rollout=msgspec.structs.replace(config.rollout, prompts_per_step=4, samples_per_prompt=4),
-        train=msgspec.structs.replace(config.train, steps=3, grad_accum=min(config.train.grad_accum, 2), warmup_steps=0),
+        train=msgspec.structs.replace(
+            config.train, steps=3, grad_accum=min(config.train.grad_accum, 2), warmup_steps=0
+        ),
         publish=msgspec.structs.replace(config.publish, every=1),
         checkpoint=msgspec.structs.replace(config.checkpoint, every=1),
     )

@@ -171,8 +171,10 @@ def load_problems(data: DataConfig, seed: int) -> tuple[list[Problem], list[Prob
     else:
         problems = read_prompt_file(data.path, data.template)
     if not data.held_out < len(problems):
-        raise DataError(f"data.held_out = {data.held_out} leaves no training problem of the {len(problems)} there are; "
-                        "hold out fewer")
+        raise DataError(
+            f"data.held_out = {data.held_out} leaves no training problem of the {len(problems)} there are; "
+            "hold out fewer"
+        )
     train_problems, held_out = split(problems, data.held_out, seed)
     if data.band_file:
         if not Path(data.band_file).is_file():

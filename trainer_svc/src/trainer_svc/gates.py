@@ -36,7 +36,9 @@ class GateRefused(RuntimeError):
         self.gate = gate
 
 
-def run_all(cfg: Config, world_size: int, is_main: bool, tokenizer, problems: list[Problem], verifier: Verifier) -> dict:
+def run_all(
+    cfg: Config, world_size: int, is_main: bool, tokenizer, problems: list[Problem], verifier: Verifier
+) -> dict:
     """The gates in order, cheapest first; each refuses with GateRefused. Returns their figures for
     the banner. The horizon gate runs later, once the schedule exists (check_horizon)."""
     check_config(cfg, world_size)
@@ -77,12 +79,15 @@ def check_config(cfg: Config, world_size: int) -> None:
             "set publish.every = 1, or raise rollout.max_policy_lag to allow the lag explicitly",
         )
     if not t.max_grad_norm > 0:
-        raise GateRefused("config", "train.max_grad_norm must be set: unclipped GRPO updates blow up on outlier batches")
+        raise GateRefused(
+            "config", "train.max_grad_norm must be set: unclipped GRPO updates blow up on outlier batches"
+        )
     if cfg.canary.every:
         if cfg.canary.problems < 1 or cfg.canary.problems > cfg.data.held_out:
             raise GateRefused(
                 "config",
-                f"the canary is armed (canary.every = {cfg.canary.every}) with canary.problems = {cfg.canary.problems}, "
+                f"the canary is armed (canary.every = {cfg.canary.every}) "
+                f"with canary.problems = {cfg.canary.problems}, "
                 f"but data.held_out = {cfg.data.held_out} problems are kept out of training; "
                 "raise data.held_out to at least canary.problems, or lower canary.problems",
             )
@@ -101,11 +106,25 @@ def ceiling_receipt(cfg: Config, problems: list[Problem], tokenizer, verifier: V
         if best.total >= cfg.reward.correct - 1e-9:
             perfect += 1
         elif len(failures) < 5:
-            failures.append({"prompt": p.prompt, "gold": p.gold, "reward": best.total, "correct": best.correct, "format_ok": best.format_ok})
+            failures.append(
+                {
+                    "prompt": p.prompt,
+                    "gold": p.gold,
+                    "reward": best.total,
+                    "correct": best.correct,
+                    "format_ok": best.format_ok,
+                }
+            )
         bad = score([(_wrong(p.gold), "stop", tokens)], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)[0]
         wrong += bad.correct
     n = len(problems)
-    return {"n": n, "perfect_rate": perfect / n, "wrong_rate": wrong / n, "failures": failures, "created_at": time.time()}
+    return {
+        "n": n,
+        "perfect_rate": perfect / n,
+        "wrong_rate": wrong / n,
+        "failures": failures,
+        "created_at": time.time(),
+    }
 
 
 def _wrong(gold: str) -> str:
@@ -122,7 +141,8 @@ def check_ceiling(receipt: dict, run_dir: Path) -> None:
             "ceiling",
             f"a perfect policy would score {receipt['perfect_rate']:.0%} and a wrong one {receipt['wrong_rate']:.0%} "
             f"(need >= {CEILING_PERFECT_MIN:.0%} and <= {CEILING_WRONG_MAX:.0%}); the verifier or the format reward "
-            f"cannot read the gold answers as written. Examples: {receipt['failures'][:3]}. Receipt: {run_dir / RECEIPT}",
+            "cannot read the gold answers as written. Examples: "
+            f"{receipt['failures'][:3]}. Receipt: {run_dir / RECEIPT}",
         )
 
 
@@ -147,8 +167,10 @@ def check_band(cfg: Config) -> dict | None:
     if split != {"seed": cfg.run.seed, "held_out": cfg.data.held_out}:
         raise GateRefused(
             "band",
-            f"{cfg.data.band_file} was banded with run.seed {split['seed']} and data.held_out {split['held_out']}, this run "
-            f"uses {cfg.run.seed} and {cfg.data.held_out}: its prompts may include the canary's held-out problems; band again",
+            f"{cfg.data.band_file} was banded with run.seed {split['seed']} "
+            f"and data.held_out {split['held_out']}, this run "
+            f"uses {cfg.run.seed} and {cfg.data.held_out}: its prompts may include the canary's held-out problems; "
+            "band again",
         )
     return manifest
 
@@ -198,7 +220,9 @@ def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers
     training = {f"cuda:{physical_gpu(i)}" for i in range(world_size)} if cuda_devices else set()
     clashes = [w.worker_id for w in live_workers or [] if w.host == host and w.device in training]
     if clashes:
-        raise GateRefused("topology", f"workers {clashes} on this host use a training rank's GPU; stop them or train on other GPUs")
+        raise GateRefused(
+            "topology", f"workers {clashes} on this host use a training rank's GPU; stop them or train on other GPUs"
+        )
     return {"train_ranks": world_size, "rollout_device": "workers on the spool"}
 
 

@@ -145,9 +145,7 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def _require_positive(**counts: int) -> None:
     for name, value in counts.items():
         if value < 1:
-            raise ValueError(
-                f"{name} must be >= 1 (a count over the whole optimizer step), got {value}"
-            )
+            raise ValueError(f"{name} must be >= 1 (a count over the whole optimizer step), got {value}")
 
 
 def token_weights(

@@ -93,7 +93,12 @@ class Progress:
 
     def update(self, row: dict) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{row['loss']:.3f}", refresh=False)
+            self.bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}",
+                acc=f"{row['accuracy']:.2f}",
+                loss=f"{row['loss']:.3f}",
+                refresh=False,
+            )
             self.bar.update(1)
 
     def close(self) -> None:
@@ -174,7 +179,13 @@ def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_fig
 
 
 def stage_result(
-    *, stage: str, banner: dict, exit_code: int, rows: list[dict], checkpoint: Path | None, canary_history: list,
+    *,
+    stage: str,
+    banner: dict,
+    exit_code: int,
+    rows: list[dict],
+    checkpoint: Path | None,
+    canary_history: list,
     tripwire: dict,
 ) -> dict:
     """The run's end in one record (stage_result.json): how it ended, its summary, its banner."""

@@ -39,7 +39,7 @@ def plot(run_dir: Path, out: Path | None = None) -> Path:
     steps = [r["step"] for r in rows]
     window = max(1, len(rows) // 50)
     fig, axes = plt.subplots(2, 3, figsize=(14, 7), sharex=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         values = [r.get(key, float("nan")) for r in rows]
         ax.plot(steps, values, color="0.8", linewidth=0.8)
         ax.plot(steps, smooth(values, window), color="C0", linewidth=1.5)

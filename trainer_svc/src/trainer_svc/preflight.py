@@ -21,7 +21,10 @@ class PreflightError(RuntimeError):
 
 def check_model_dir(path: Path) -> None:
     if not path.is_dir():
-        raise PreflightError(f"model directory {path} does not exist (model.path); build one with `make tiny-model` or point at an HF model")
+        raise PreflightError(
+            f"model directory {path} does not exist (model.path); "
+            "build one with `make tiny-model` or point at an HF model"
+        )
     try:
         json.loads((path / "config.json").read_text())
     except FileNotFoundError:
@@ -59,11 +62,17 @@ def check_spool(cfg: Config) -> None:
         with tempfile.NamedTemporaryFile(dir=spool, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise PreflightError(f"spool {spool} is unusable ({exc.strerror}); check rollout.spool and its permissions", exit_codes.ROLLOUT_UNAVAILABLE) from None
+        raise PreflightError(
+            f"spool {spool} is unusable ({exc.strerror}); check rollout.spool and its permissions",
+            exit_codes.ROLLOUT_UNAVAILABLE,
+        ) from None
     if cfg.rollout.spawn:
         executable = Path(cfg.rollout.rollout_venv) / "bin" / "rollout-svc"
         if not os.access(executable, os.X_OK):
-            raise PreflightError(f"{executable} is missing: create the rollout venv with `make venvs`, or set rollout.rollout_venv", exit_codes.ROLLOUT_UNAVAILABLE)
+            raise PreflightError(
+                f"{executable} is missing: create the rollout venv with `make venvs`, or set rollout.rollout_venv",
+                exit_codes.ROLLOUT_UNAVAILABLE,
+            )
     else:
         from protocol.spool import Spool, SpoolError
 

@@ -76,15 +76,26 @@ class RolloutService:
         cfg = self.cfg
         executable = Path(cfg.rollout.rollout_venv) / "bin" / "rollout-svc"
         if not executable.exists():
-            raise RolloutUnavailable(f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv")
+            raise RolloutUnavailable(
+                f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
+            )
         command = [
-            str(executable), "serve", "--engine", "vllm",
-            "--spool", str(cfg.spool_dir),
-            "--worker-id", f"{cfg.run_dir.name[:40]}-rollout",
-            "--weights", cfg.model.path,
-            "--allowed-root", str(Path(cfg.model.path).parent),
-            "--allowed-root", str(cfg.publish_dir),
-            "--idle-exit", str(WORKER_IDLE_EXIT_S),
+            str(executable),
+            "serve",
+            "--engine",
+            "vllm",
+            "--spool",
+            str(cfg.spool_dir),
+            "--worker-id",
+            f"{cfg.run_dir.name[:40]}-rollout",
+            "--weights",
+            cfg.model.path,
+            "--allowed-root",
+            str(Path(cfg.model.path).parent),
+            "--allowed-root",
+            str(cfg.publish_dir),
+            "--idle-exit",
+            str(WORKER_IDLE_EXIT_S),
             *cfg.rollout.worker_args,
         ]
         cfg.publish_dir.mkdir(parents=True, exist_ok=True)
@@ -119,13 +130,20 @@ class RolloutService:
 
     def _check_worker(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise RolloutUnavailable(
-                f"the rollout worker exited with code {self.proc.returncode}; see {self.log_path}"
-            )
+            raise RolloutUnavailable(f"the rollout worker exited with code {self.proc.returncode}; see {self.log_path}")
 
     def sample(
-        self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int,
-        n: int | None = None, temperature: float | None = None, tag: str = "train",
+        self,
+        prompts: list[str],
+        *,
+        weights_dir: str,
+        content_id: str | None,
+        step: int,
+        attempt: int,
+        seed: int,
+        n: int | None = None,
+        temperature: float | None = None,
+        tag: str = "train",
     ) -> list[Group]:
         """`n` samples (default G) of each prompt, from the given weights."""
         r = self.cfg.rollout
@@ -144,12 +162,16 @@ class RolloutService:
         self.client.submit(request)
         result = self._wait(request.request_id)
         if not result.ok:
-            raise RolloutFailed(f"rollout request {request.request_id} failed: {result.error.code.value}: {result.error.message}")
+            raise RolloutFailed(
+                f"rollout request {request.request_id} failed: {result.error.code.value}: {result.error.message}"
+            )
         return to_groups(result)
 
     def _wait(self, request_id: str) -> Result:
         try:
-            return self.client.wait([request_id], timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker)[request_id]
+            return self.client.wait([request_id], timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker)[
+                request_id
+            ]
         except ResultTimeout:
             raise RolloutUnavailable(
                 f"no result for {request_id} after {self.cfg.rollout.timeout_s:.0f} s (rollout.timeout_s); "

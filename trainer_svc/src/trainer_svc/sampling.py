@@ -19,8 +19,8 @@ import torch.distributed as dist
 from . import grpo
 from .config import Config
 from .data import Problem, PromptStream
-from .rewards import RewardBreakdown, Verifier, score
 from .model import Distributed
+from .rewards import RewardBreakdown, Verifier, score
 from .rollout import Group
 
 
@@ -36,8 +36,17 @@ class WeightsRef:
 
 class Sampler(Protocol):
     def sample(
-        self, prompts: list[str], *, weights_dir: str, content_id: str | None, step: int, attempt: int, seed: int,
-        n: int | None = None, temperature: float | None = None, tag: str = "train",
+        self,
+        prompts: list[str],
+        *,
+        weights_dir: str,
+        content_id: str | None,
+        step: int,
+        attempt: int,
+        seed: int,
+        n: int | None = None,
+        temperature: float | None = None,
+        tag: str = "train",
     ) -> list[Group]: ...
 
     def close(self) -> None: ...
@@ -62,8 +71,9 @@ class StepSampler:
     """Rank 0 samples and scores each step through `sampler`; every rank gets the same rollouts.
     Other ranks pass `sampler=None` and only receive."""
 
-    def __init__(self, sampler: Sampler | None, stream: PromptStream, verifier: Verifier, cfg: Config,
-                 dist_info: Distributed):
+    def __init__(
+        self, sampler: Sampler | None, stream: PromptStream, verifier: Verifier, cfg: Config, dist_info: Distributed
+    ):
         self.sampler, self.stream, self.verifier, self.cfg, self.dist = sampler, stream, verifier, cfg, dist_info
 
     def __call__(self, step: int, weights: WeightsRef) -> StepRollouts:
@@ -98,12 +108,22 @@ def sample_step(
     def sample_and_score(batch: list[Problem], attempt: int):
         began = time.monotonic()
         groups = sampler.sample(
-            [p.prompt for p in batch], weights_dir=weights.dir, content_id=weights.content_id, step=step, attempt=attempt,
+            [p.prompt for p in batch],
+            weights_dir=weights.dir,
+            content_id=weights.content_id,
+            step=step,
+            attempt=attempt,
             seed=cfg.run.seed * 1_000_003 + step * 101 + attempt,
         )
         sampled = time.monotonic()
         scored = [
-            score([(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)
+            score(
+                [(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples],
+                p.gold,
+                cfg.reward,
+                verifier,
+                cfg.rollout.max_tokens,
+            )
             for p, g in zip(batch, groups, strict=True)
         ]
         spent["generate"] += sampled - began
@@ -120,7 +140,7 @@ def sample_step(
         new_groups, new_breakdowns = sample_and_score(fresh, attempt)
         retries += 1
         still_dead = []
-        for slot, problem, group, scored in zip(dead, fresh, new_groups, new_breakdowns):
+        for slot, problem, group, scored in zip(dead, fresh, new_groups, new_breakdowns, strict=False):
             if _is_dead(scored):
                 still_dead.append(slot)
             else:
@@ -132,7 +152,15 @@ def sample_step(
         rewards = rewards.flatten()[order].view_as(rewards)
     advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
     return StepRollouts(
-        problems, groups, rewards, breakdowns, advantages, dead_initial, len(dead), retries, spent["generate"],
+        problems,
+        groups,
+        rewards,
+        breakdowns,
+        advantages,
+        dead_initial,
+        len(dead),
+        retries,
+        spent["generate"],
         spent["score"],
     )
 

@@ -56,12 +56,18 @@ def sampled_accuracy(model, tokenizer, problems: list[Problem], max_tokens: int,
     tokenizer.padding_side = "left"
     batch = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
     out = model.generate(
-        **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        **batch,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     model.train()
-    return sum(is_correct(t, p.gold) for t, p in zip(texts, problems)) / len(problems)
+    return sum(is_correct(t, p.gold) for t, p in zip(texts, problems, strict=False)) / len(problems)
 
 
 def run_sft(cfg: Config) -> dict:
@@ -85,7 +91,9 @@ def run_sft(cfg: Config) -> dict:
     history, accuracy, step = [], 0.0, 0
     try:
         for step in range(1, sft.steps + 1):
-            loss = supervised_loss(model, rng.sample(examples, min(sft.batch_size, len(examples))), tokenizer.pad_token_id)
+            loss = supervised_loss(
+                model, rng.sample(examples, min(sft.batch_size, len(examples))), tokenizer.pad_token_id
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -100,7 +108,14 @@ def run_sft(cfg: Config) -> dict:
     finally:
         verifier.close()
     save_model(model, Path(sft.base), out)
-    report = {"base": sft.base, "out": str(out), "steps": step, "sampled_accuracy": accuracy, "problems_seen": len(seen), "history": history}
+    report = {
+        "base": sft.base,
+        "out": str(out),
+        "steps": step,
+        "sampled_accuracy": accuracy,
+        "problems_seen": len(seen),
+        "history": history,
+    }
     (out / "sft_report.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -22,8 +22,16 @@ from .model import Distributed
 from .sampling import StepRollouts
 
 # What a step that generated no tokens reports: there is no loss to take.
-_NOTHING_LEARNED = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0,
-                    "grad_norm": 0.0, "mismatch_mean": 0.0, "mismatch_max": 0.0}
+_NOTHING_LEARNED = {
+    "loss": 0.0,
+    "entropy": 0.0,
+    "kl": 0.0,
+    "clip_fraction_low": 0.0,
+    "clip_fraction_high": 0.0,
+    "grad_norm": 0.0,
+    "mismatch_mean": 0.0,
+    "mismatch_max": 0.0,
+}
 
 
 @dataclass
@@ -53,7 +61,9 @@ def sequence_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.Te
 
 @torch.no_grad()
 def old_logprobs(model, batch: Batch, cfg: Config) -> torch.Tensor:
-    parts = [sequence_logprobs(model, mb, cfg.rollout.temperature)[0] for mb in micro_batches(batch, cfg.train.grad_accum)]
+    parts = [
+        sequence_logprobs(model, mb, cfg.rollout.temperature)[0] for mb in micro_batches(batch, cfg.train.grad_accum)
+    ]
     return torch.cat(parts)
 
 
@@ -69,7 +79,9 @@ def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distri
     return train_step(policy.model, policy.reference, policy.optimizer, policy.scheduler, share, totals, cfg, dist_info)
 
 
-def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: StepTotals, cfg: Config, dist_info: Distributed) -> dict:
+def train_step(
+    model, reference, optimizer, scheduler, batch: Batch, totals: StepTotals, cfg: Config, dist_info: Distributed
+) -> dict:
     """Update the policy on `batch` (this rank's share); returns the step's statistics."""
     model.train()
     old = old_logprobs(model, batch, cfg)
@@ -81,10 +93,16 @@ def train_step(model, reference, optimizer, scheduler, batch: Batch, totals: Ste
         rows = slice(offset, offset + len(mb))
         offset += len(mb)
         weights = grpo.token_weights(
-            mb.mask, cfg.loss.denominator, step_tokens=totals.tokens, step_sequences=totals.sequences, max_tokens=cfg.rollout.max_tokens
+            mb.mask,
+            cfg.loss.denominator,
+            step_tokens=totals.tokens,
+            step_sequences=totals.sequences,
+            max_tokens=cfg.rollout.max_tokens,
         )
         logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature)
-        loss, stats = grpo.clipped_policy_loss(logp, old[rows], mb.advantages, weights, cfg.loss.clip_low, cfg.loss.clip_high)
+        loss, stats = grpo.clipped_policy_loss(
+            logp, old[rows], mb.advantages, weights, cfg.loss.clip_low, cfg.loss.clip_high
+        )
         if ref is not None:
             kl = grpo.kl_penalty(logp, ref[rows], weights, 1.0)
             loss = loss + cfg.loss.kl_coef * kl
@@ -126,7 +144,7 @@ def _over_ranks(sums: dict[str, float], maximum: float, device: torch.device) ->
     dist.all_reduce(totals)
     peak = torch.tensor([maximum], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return dict(zip(sums, totals.tolist())), float(peak.item())
+    return dict(zip(sums, totals.tolist(), strict=False)), float(peak.item())
 
 
 def _weighted_mean(weighted_sum: float, total_weight: float) -> float:
@@ -139,7 +157,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def make_optimizer(model, cfg: Config) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+    )
 
 
 def make_scheduler(optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:

@@ -97,20 +97,28 @@ class CollapseTripwire:
         self.best_window_reward = reward if self.best_window_reward is None else max(self.best_window_reward, reward)
         over = f"at step {step}, the mean over the last {n} steps"
         if entropy < self.cfg.min_entropy:
-            return (f"entropy collapsed: {over} of per-token entropy ({entropy:.4g}) is below "
-                    f"min_entropy = {self.cfg.min_entropy:g}; the policy became deterministic")
+            return (
+                f"entropy collapsed: {over} of per-token entropy ({entropy:.4g}) is below "
+                f"min_entropy = {self.cfg.min_entropy:g}; the policy became deterministic"
+            )
         drop = self.best_window_reward - reward
         if drop > self.cfg.max_reward_drop:
-            return (f"reward dropped: {over} of reward ({reward:.4g}) is {drop:.4g} below the best window "
-                    f"mean ({self.best_window_reward:.4g}), more than max_reward_drop = {self.cfg.max_reward_drop:g}; "
-                    "the policy got worse and is not recovering")
+            return (
+                f"reward dropped: {over} of reward ({reward:.4g}) is {drop:.4g} below the best window "
+                f"mean ({self.best_window_reward:.4g}), more than max_reward_drop = {self.cfg.max_reward_drop:g}; "
+                "the policy got worse and is not recovering"
+            )
         if length < self.cfg.min_response_length:
-            return (f"response length collapsed: {over} of response length ({length:.4g} tokens) is below "
-                    f"min_response_length = {self.cfg.min_response_length:g}; the policy stopped answering")
+            return (
+                f"response length collapsed: {over} of response length ({length:.4g} tokens) is below "
+                f"min_response_length = {self.cfg.min_response_length:g}; the policy stopped answering"
+            )
         if length >= self.length_cap:
-            return (f"response length at the cap: {over} of response length ({length:.4g} tokens) reached "
-                    f"max_length_fraction = {self.cfg.max_length_fraction:g} of max_tokens = {self.max_tokens} "
-                    f"({self.length_cap:.4g} tokens); every answer runs into the cap")
+            return (
+                f"response length at the cap: {over} of response length ({length:.4g} tokens) reached "
+                f"max_length_fraction = {self.cfg.max_length_fraction:g} of max_tokens = {self.max_tokens} "
+                f"({self.length_cap:.4g} tokens); every answer runs into the cap"
+            )
         return None
 
     def window_means(self) -> dict | None:
@@ -145,7 +153,10 @@ class CollapseTripwire:
         is how an operator lets a run continue past a firing; `would_fire` keeps the record).
         The window length may not change: the saved windows would no longer mean the same."""
         if state["window"] != self.cfg.window:
-            raise ValueError(f"tripwire state was saved with window = {state['window']}, but the config has window = {self.cfg.window}")
+            raise ValueError(
+                f"tripwire state was saved with window = {state['window']}, "
+                f"but the config has window = {self.cfg.window}"
+            )
         self._rewards = deque(state["rewards"], maxlen=self.cfg.window)
         self._entropies = deque(state["entropies"], maxlen=self.cfg.window)
         self._lengths = deque(state["response_lengths"], maxlen=self.cfg.window)
