@@ -5,6 +5,7 @@
 #   make echo-smoke  a deployment check: an echo worker serving requests, no model
 #   make test        lint, then the whole test suite
 #   make lint        ruff: lint and format check (settings in pyproject.toml)
+#   make test-gpu    the GPU tier (tests/gpu): fails at once where no CUDA GPU is visible
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
 #   make tiny-model  a tiny Llama model with its own tokenizer, built offline, in build/
 #
@@ -28,7 +29,7 @@ CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
 TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
-.PHONY: venvs tiny-model demo echo-smoke lint test bench clean
+.PHONY: venvs tiny-model demo echo-smoke lint test test-gpu bench clean
 
 venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
@@ -76,6 +77,11 @@ lint: $(LINT)/.installed
 test: lint venvs
 	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
 	$(TRAINER)/bin/python -m pytest tests/trainer
+
+# The GPU tier, on a GPU host (never in CI): vLLM on the GPU, reloads and rebuilds, sleep mode,
+# eval through the spool, and the trainer on one GPU (colocated) and on two.
+test-gpu: venvs
+	$(ROLLOUT)/bin/python -m pytest tests/gpu -v -rA
 
 bench: venvs
 	$(ROLLOUT)/bin/python bench/spool_roundtrip.py

@@ -31,23 +31,13 @@ import torch
 from protocol.fsio import fsync_dir, fsync_tree
 
 from .model import Distributed
+from .weights_writer import COPIED_FILES
 
 log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
 STATE_DIR = "trainer_state"
 PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
-_COPIED = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 
 
 @dataclass(frozen=True)
@@ -136,7 +126,7 @@ def save(
     content_id = f"{run_dir.name}-{STEP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
     try:
         _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
-        for name in _COPIED:
+        for name in COPIED_FILES:
             if (base_model / name).exists():
                 shutil.copyfile(base_model / name, staging / name)
         state_dir = staging / STATE_DIR

@@ -104,7 +104,7 @@ class RolloutService:
         if gpu is not None and cfg.rollout.colocate:
             # Its share of the GPU, and asleep (weights and KV cache freed) whenever it has no
             # request: while the trainer steps.
-            command += ["--gpu-memory-utilization", str(cfg.rollout.colocate_gpu_memory), "--sleep-when-idle", "0"]
+            command += ["--gpu-memory-utilization", str(cfg.rollout.colocate_gpu_memory), "--sleep-when-idle", "0.5"]
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         log.info("starting rollout worker: %s (log: %s)", " ".join(command), self.log_path)

@@ -1,0 +1,155 @@
+"""The weight sync on a GPU host, as a training step pays it: the trainer publishes its weights
+(trainer_svc.weight_sync's writer: bf16 from the GPU, one directory per step) and a vLLM engine
+(rollout_svc's VllmEngine, what the worker runs) reloads them in place and verifies them.
+
+    python bench/publish_reload_gpu.py [--shape 1.5b] [--media /dev/shm,build] [--steps 5] [--json OUT]
+
+A Qwen2.5-shaped model, random-initialised on the GPU (no download), plays the trainer's policy;
+each step nudges every parameter in place, publishes into the medium, and has the engine load
+that directory (inspect, reload_weights, reset the prefix cache, verify the live tensors against
+the files). Reported per medium: the medians of publish, reload and their sum. Target on tmpfs at
+the 1.5B shape: publish + reload < 1.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
+
+TARGET_S = 1.5
+
+
+def base_model(root: Path, shape: str) -> tuple[Path, object]:
+    """A directory with the config and tokenizer (what a publish copies), and the model on the GPU."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollout_svc.tiny_model import write_tokenizer
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    base = root / f"{shape}-base"
+    base.mkdir()
+    config.save_pretrained(base)
+    write_tokenizer(base, max_positions=2048, vocab_size=VOCAB)
+    return base, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--media", default="/dev/shm,build", help="comma-separated directories to publish into")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+
+    from rollout_svc.engines.vllm import VllmEngine
+    from rollout_svc.weights import WeightsPolicy
+    from trainer_svc.model import Distributed
+    from trainer_svc.publish import publish
+    from trainer_svc.weights_writer import iter_full_tensors
+
+    work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
+    base, model = base_model(work, args.shape)
+    dist_info = Distributed(0, 1, torch.device("cuda", 0))
+    figures = {}
+    try:
+        for medium in args.media.split(","):
+            parent = Path(medium) if medium.startswith("/") else ROOT / medium
+            parent.mkdir(parents=True, exist_ok=True)
+            publish_dir = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=parent))
+            engine = VllmEngine(
+                policy=WeightsPolicy([str(publish_dir)]),
+                device="cuda:0",
+                dtype="bfloat16",
+                max_model_len=2048,
+                gpu_memory_utilization=0.4,
+            )
+            say(f"{medium}: first publish and engine build")
+            first = publish(
+                0,
+                iter_full_tensors(model, dist_info),
+                publish_dir=publish_dir,
+                base_model=base,
+                dist_info=dist_info,
+                dtype=torch.bfloat16,
+            )
+            build_s = engine.ensure_weights(str(first.path), first.content_id)
+            publishes, reloads, gigabytes = [], [], first.bytes / 1e9
+            for step in range(1, args.steps + 1):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.0 + 1e-3 * step)
+                torch.cuda.synchronize()
+                started = time.monotonic()
+                record = publish(
+                    step,
+                    iter_full_tensors(model, dist_info),
+                    publish_dir=publish_dir,
+                    base_model=base,
+                    dist_info=dist_info,
+                    dtype=torch.bfloat16,
+                )
+                publishes.append(time.monotonic() - started)
+                started = time.monotonic()
+                engine.ensure_weights(str(record.path), record.content_id)
+                reloads.append(time.monotonic() - started)
+                shutil.rmtree(publish_dir / f"step_{step - 1:08d}", ignore_errors=True)
+                say(f"{medium} step {step}: publish {publishes[-1]:.3f} s, reload {reloads[-1]:.3f} s")
+            engine.close()
+            shutil.rmtree(publish_dir, ignore_errors=True)
+            p, r = statistics.median(publishes), statistics.median(reloads)
+            figures[medium] = {
+                "gigabytes": round(gigabytes, 3),
+                "engine_build_s": round(build_s, 1),
+                "publish_s_median": round(p, 3),
+                "publish_gb_per_s": round(gigabytes / p, 2),
+                "reload_s_median": round(r, 3),
+                "publish_plus_reload_s": round(p + r, 3),
+                "publish_s": [round(x, 3) for x in publishes],
+                "reload_s": [round(x, 3) for x in reloads],
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    data = {
+        "benchmark": "publish_reload_gpu",
+        "shape": args.shape,
+        "gpu": gpu_name(),
+        "target_s": TARGET_S,
+        "date": time.strftime("%Y-%m-%d"),
+        "cores": os.cpu_count(),
+        "figures": figures,
+    }
+    print("| medium | GB | publish s (GB/s) | reload s | publish + reload s |")
+    print("| --- | --- | --- | --- | --- |")
+    for medium, f in figures.items():
+        print(
+            f"| {medium} | {f['gigabytes']} | {f['publish_s_median']} ({f['publish_gb_per_s']}) | "
+            f"{f['reload_s_median']} | {f['publish_plus_reload_s']} |"
+        )
+    print(json.dumps(data))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data) + "\n")
+
+
+if __name__ == "__main__":
+    main()
