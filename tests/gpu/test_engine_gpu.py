@@ -64,6 +64,7 @@ def test_cuda_graphs_are_the_default_on_gpu(engine):
     facts = engine.facts
     print(f"\nengine facts: {facts}")
     assert engine.spec.enforce_eager is False and facts["enforce_eager"] is False
+    assert not facts["cudagraph_mode"].endswith("NONE")
 
 
 def test_float32_sampling_logprobs_equal_transformers(engine, models, reference):

@@ -26,11 +26,17 @@ class WeightProbe:
         }
 
     def engine_facts(self) -> dict:
-        """How this worker runs the model: eager or with CUDA graphs, and how many graphs it captured."""
-        dispatcher = getattr(self.model_runner, "cudagraph_dispatcher", None)  # GPU model runners only
-        captured = getattr(dispatcher, "cudagraph_keys", {})
+        """How this worker runs the model: eager or with CUDA graphs, and how many it captured."""
+        runner = self.model_runner
+        if hasattr(runner, "cudagraph_manager"):  # vLLM's V2 GPU model runner (dense models, 0.25 on)
+            captured = len(runner.cudagraph_manager.graphs) if runner.cudagraph_manager is not None else 0
+        elif hasattr(runner, "cudagraph_dispatcher"):  # the V1 GPU model runner, which CPU runners extend
+            captured = sum(len(keys) for keys in runner.cudagraph_dispatcher.cudagraph_keys.values())
+        else:
+            captured = 0
         return {
             "enforce_eager": bool(self.vllm_config.model_config.enforce_eager),
             "cudagraph_mode": str(self.vllm_config.compilation_config.cudagraph_mode),
-            "cuda_graphs": sum(len(keys) for keys in captured.values()),
+            "cuda_graphs": captured,
+            "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         }

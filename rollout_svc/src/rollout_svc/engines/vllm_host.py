@@ -198,10 +198,11 @@ class LiveEngine:
 
 
 def describe(facts: dict) -> str:
-    """'CUDA graphs: 67 captured' or 'eager', for logs."""
-    if facts.get("enforce_eager") or not facts.get("cuda_graphs"):
+    """'CUDA graphs FULL_AND_PIECEWISE, 67 captured' or 'eager', for logs."""
+    mode = facts.get("cudagraph_mode", "NONE").rpartition(".")[2]
+    if facts.get("enforce_eager") or mode == "NONE":
         return "eager"
-    return f"CUDA graphs: {facts['cuda_graphs']} captured"
+    return f"CUDA graphs {mode}, {facts.get('cuda_graphs', 0)} captured"
 
 
 def _torch_dtype(dtype):
