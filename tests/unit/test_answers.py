@@ -6,7 +6,6 @@ import pytest
 
 from protocol.answers import extract_answer, is_correct, verdict
 
-
 # -- extract_answer ------------------------------------------------------------------------------
 
 

@@ -64,10 +64,22 @@ def test_path_unit_watches_the_spool_named_in_the_environment_file():
 
 def test_sysusers_and_tmpfiles_create_a_group_shared_setgid_spool(tmp_path):
     (tmp_path / "etc").mkdir()
-    users = subprocess.run(["systemd-sysusers", f"--root={tmp_path}", str(DEPLOY / "sysusers.d" / "rollout-svc.conf")], capture_output=True, text=True)
+    users = subprocess.run(
+        ["systemd-sysusers", f"--root={tmp_path}", str(DEPLOY / "sysusers.d" / "rollout-svc.conf")],
+        capture_output=True,
+        text=True,
+    )
     assert users.returncode == 0, users.stderr
-    gid = next(int(line.split(":")[2]) for line in (tmp_path / "etc" / "group").read_text().splitlines() if line.startswith("rollout:"))
-    files = subprocess.run(["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(DEPLOY / "tmpfiles.d" / "rollout-svc.conf")], capture_output=True, text=True)
+    gid = next(
+        int(line.split(":")[2])
+        for line in (tmp_path / "etc" / "group").read_text().splitlines()
+        if line.startswith("rollout:")
+    )
+    files = subprocess.run(
+        ["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(DEPLOY / "tmpfiles.d" / "rollout-svc.conf")],
+        capture_output=True,
+        text=True,
+    )
     assert files.returncode == 0, files.stderr
     spool = tmp_path / "srv" / "rollout-spool"
     for name in SPOOL_DIRS:

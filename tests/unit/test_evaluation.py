@@ -12,12 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 import protocol.evaluation as evaluation
+from protocol.answers import extract_number, gold_from_answer, normalise_number
 from protocol.cli import app
 from protocol.client import SpoolClient
-from protocol.answers import extract_number, gold_from_answer, normalise_number
 from protocol.evaluation import EvalRow, RowError, read_rows, run_eval, write_rows
 from protocol.messages import ErrorCode
-from protocol.spool import RequestExists
 from rollout_svc.engines import RequestFailed
 from rollout_svc.engines.echo import EchoEngine
 
@@ -50,10 +49,13 @@ def test_plain_prompts(tmp_path):
 
 
 def test_gsm8k_rows_with_a_template(tmp_path):
-    path = write_jsonl(tmp_path / "g.jsonl", [
-        {"question": "How many?", "answer": "Work it out.\n#### 1,234"},
-        {"question": "Owed?", "answer": "#### -7"},
-    ])
+    path = write_jsonl(
+        tmp_path / "g.jsonl",
+        [
+            {"question": "How many?", "answer": "Work it out.\n#### 1,234"},
+            {"question": "Owed?", "answer": "#### -7"},
+        ],
+    )
     rows = read_rows(path, template="Q: {question}\nA:")
     assert [(r.prompt, r.gold) for r in rows] == [("Q: How many?\nA:", "1234"), ("Q: Owed?\nA:", "-7")]
     assert rows[0].source == {"question": "How many?", "answer": "Work it out.\n#### 1,234"}
@@ -192,13 +194,14 @@ def test_run_eval_scores_every_row_exactly(spool, run_worker, tmp_path):
     assert [r.get("correct") for r in report.rows] == [[True], [True], [False], None]
     assert [r.get("predicted") for r in report.rows] == [["42"], ["5"], ["5"], None]
     assert [r.get("gold") for r in report.rows] == ["42", "5", "4", None]
-    for source, out in zip([*GSM8K, {"prompt": "plain 99", "id": 4}], report.rows):
+    for source, out in zip([*GSM8K, {"prompt": "plain 99", "id": 4}], report.rows, strict=True):
         assert {k: out[k] for k in source} == source  # input fields are kept
     assert report.rows[0]["prompt"] == GSM8K[0]["question"]
 
 
 def served_requests(spool, wait_for, count: int) -> list[str]:
     """Names of the served requests in done/; the worker archives each just after its result."""
+
     def listed():
         names = sorted(e.name for e in spool.entries("done") if e.name.endswith(".request.json"))
         return names if len(names) >= count else None
@@ -211,8 +214,9 @@ def test_run_eval_splits_prompts_across_requests_and_keeps_the_order(spool, run_
     rows = read_rows(write_jsonl(tmp_path / "g.jsonl", questions))
     run_worker(spool)
     with client_for(spool) as client:
-        report = run_eval(client, rows, weights_dir="/models/echo", max_tokens=64, n_samples=2,
-                          prompts_per_request=3, name="split")
+        report = run_eval(
+            client, rows, weights_dir="/models/echo", max_tokens=64, n_samples=2, prompts_per_request=3, name="split"
+        )
     served = served_requests(spool, wait_for, 3)
     assert len(served) == 3 and all(n.startswith("split-") for n in served)
     sizes = [len(json.loads((spool.done / n).read_text())["prompts"]) for n in served]
@@ -257,7 +261,9 @@ def test_run_eval_reports_failed_requests(spool, run_worker, tmp_path):
 
 def test_two_evals_started_in_the_same_second_both_run(spool, run_worker, tmp_path, monkeypatch):
     # A clock that stays within one second makes the collision deterministic.
-    monkeypatch.setattr(evaluation, "time", types.SimpleNamespace(strftime=lambda fmt: "20250101T000000", monotonic=time.monotonic))
+    monkeypatch.setattr(
+        evaluation, "time", types.SimpleNamespace(strftime=lambda fmt: "20250101T000000", monotonic=time.monotonic)
+    )
     rows = read_rows(write_jsonl(tmp_path / "g.jsonl", GSM8K))
     run_worker(spool)
     with client_for(spool) as client:
@@ -307,10 +313,25 @@ def test_spoolctl_eval_writes_completions_and_prints_the_accuracy(spool, run_wor
     prompts = write_jsonl(tmp_path / "g.jsonl", GSM8K)
     out = tmp_path / "results" / "out.jsonl"
     run_worker(spool)
-    result = runner.invoke(app, [
-        "eval", "--spool", str(spool.root), prompts, "--weights", "/models/echo", "--out", str(out),
-        "--max-tokens", "64", "--prompts-per-request", "2", "--template", "Q: {question}",
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--spool",
+            str(spool.root),
+            prompts,
+            "--weights",
+            "/models/echo",
+            "--out",
+            str(out),
+            "--max-tokens",
+            "64",
+            "--prompts-per-request",
+            "2",
+            "--template",
+            "Q: {question}",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "3 prompts in " in result.output and "accuracy 0.667" in result.output
     assert f"completions in {out}" in result.output
@@ -332,8 +353,19 @@ def test_spoolctl_eval_refuses_a_bad_prompt_file_naming_the_line(spool, tmp_path
 
 
 def test_spoolctl_eval_refuses_a_missing_prompt_file(spool, tmp_path):
-    result = runner.invoke(app, ["eval", "--spool", str(spool.root), str(tmp_path / "nope.jsonl"),
-                                 "--weights", "/m", "--out", str(tmp_path / "o.jsonl")])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--spool",
+            str(spool.root),
+            str(tmp_path / "nope.jsonl"),
+            "--weights",
+            "/m",
+            "--out",
+            str(tmp_path / "o.jsonl"),
+        ],
+    )
     assert result.exit_code == 2
     assert "nope.jsonl" in result.output and "error:" in result.output
 
@@ -341,6 +373,8 @@ def test_spoolctl_eval_refuses_a_missing_prompt_file(spool, tmp_path):
 def test_spoolctl_eval_refuses_a_prompt_file_that_is_not_utf8(spool, tmp_path):
     prompts = tmp_path / "latin1.jsonl"
     prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
-    result = runner.invoke(app, ["eval", "--spool", str(spool.root), str(prompts), "--weights", "/m", "--out", str(tmp_path / "o.jsonl")])
+    result = runner.invoke(
+        app, ["eval", "--spool", str(spool.root), str(prompts), "--weights", "/m", "--out", str(tmp_path / "o.jsonl")]
+    )
     assert result.exit_code == 2
     assert f"error: {prompts}:1: " in result.output

@@ -117,7 +117,9 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["protocol/src/protocol", "rollout_svc/src/rollout_svc", "trainer_svc/src/trainer_svc"])
+@pytest.mark.parametrize(
+    "package", ["protocol/src/protocol", "rollout_svc/src/rollout_svc", "trainer_svc/src/trainer_svc"]
+)
 def test_no_module_imports_one_that_imports_it(package):
     graph = module_imports(ROOT / package)
     assert len(graph) > 5 and any(graph.values())  # the scan found the modules and their imports

@@ -42,7 +42,11 @@ positive = st.integers(min_value=1, max_value=2**63 - 1)
 
 text_prompts = st.fixed_dictionaries({"prompts": st.lists(st.text(max_size=40), min_size=1, max_size=4)})
 token_prompts = st.fixed_dictionaries(
-    {"prompt_token_ids": st.lists(st.lists(st.integers(min_value=0, max_value=2**40), min_size=1, max_size=8), min_size=1, max_size=4)}
+    {
+        "prompt_token_ids": st.lists(
+            st.lists(st.integers(min_value=0, max_value=2**40), min_size=1, max_size=8), min_size=1, max_size=4
+        )
+    }
 )
 requests = st.builds(
     lambda prompts, **fields: Request(**prompts, **fields),

@@ -25,8 +25,21 @@ def recipe() -> str:
 def test_the_readme_recipe_gets_a_result_from_an_echo_worker(tmp_path):
     spool = tmp_path / "spool"
     worker = subprocess.Popen(
-        [str(BIN / "rollout-svc"), "serve", "--spool", str(spool), "--engine", "echo", "--worker-id", "readme", "--idle-exit", "60"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(BIN / "rollout-svc"),
+            "serve",
+            "--spool",
+            str(spool),
+            "--engine",
+            "echo",
+            "--worker-id",
+            "readme",
+            "--idle-exit",
+            "60",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 30

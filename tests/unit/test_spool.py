@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from torn_reads import TornReadReader
 
 from protocol import fsio
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
@@ -41,7 +42,6 @@ from protocol.spool import (
     split_claimed_name,
 )
 from protocol.watch import Waker, filesystem_type
-from torn_reads import TornReadReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -166,7 +166,11 @@ def test_submit_is_durable_and_complete(spool, make_request, fsync_spy):
 @pytest.mark.parametrize(
     "where",
     [
-        "requests/{}.json", "claimed/{}@w9.json", "results/{}.json", "done/{}.request.json", "done/{}.result.json",
+        "requests/{}.json",
+        "claimed/{}@w9.json",
+        "results/{}.json",
+        "done/{}.request.json",
+        "done/{}.result.json",
         "bad/{}.json",
     ],  # fmt: skip
 )
