@@ -1,6 +1,7 @@
 """weights_writer: HF-layout safetensors written by us, byte for byte what save_pretrained writes,
 atomic under SIGKILL, refusing bad input with the previous directory intact, and the FSDP2 path
-on two gloo ranks.
+on two gloo ranks. The pinned-buffer path of CUDA tensors is the GPU tier's
+(tests/gpu/test_weights_writer_gpu.py).
 
 Run as a script, this file is also the child process of the kill, file-size and FSDP tests."""
 
@@ -20,8 +21,13 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
+TESTS = HERE.parent
 sys.path.insert(0, str(HERE))
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))  # helpers shared with the GPU tier (hf_weights)
 torch.set_num_threads(1)
+
+from hf_weights import assert_bit_equal, build_llama, load_model, read_all  # noqa: E402
 
 from trainer_svc.model import Distributed  # noqa: E402
 from trainer_svc.weights_writer import (  # noqa: E402
@@ -37,53 +43,6 @@ from trainer_svc.weights_writer import (  # noqa: E402
 
 CPU = Distributed(0, 1, torch.device("cpu"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def load_model(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, so that equality is bit equality (NaN payloads and -0.0 included)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_equal(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        assert got[name].shape == want[name].shape, name
-        assert torch.equal(bits(got[name]), bits(want[name])), name
-
-
-def read_all(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        out.update(load_file(shard))
-    return out
-
-
-def build_llama(path: Path, *, tied: bool = True) -> Path:
-    """A tiny Llama; with `tied` its lm_head is its embedding table (tie_word_embeddings)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=64,
-        tie_word_embeddings=tied,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -364,67 +323,6 @@ def test_sigkill_at_random_points_leaves_old_or_new_directory(tiny_model, tmp_pa
     write_weights_dir(out, expected_state(0), base_model=tiny_model, step=0, content_id="final")
     assert os.listdir(out.parent) == [out.name]
     print(f"{leftovers_seen} leftovers seen after 25 kills")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the pinned-buffer path)")
-@pytest.mark.parametrize("chunk_bytes", [4096, 2**20, 64 * 2**20])
-def test_cuda_tensors_stream_through_pinned_buffers(tmp_path, chunk_bytes):
-    """CUDA tensors are cast to bf16 on the device and copied through two pinned buffers in turn:
-    the bytes equal save_pretrained's of the bf16 model, whatever the chunk size; float32 stays exact."""
-    base = build_llama(tmp_path / "base")
-    model = load_model(base).to("cuda")
-    with torch.no_grad():
-        model.model.norm.weight.copy_(torch.randn(64))  # not all ones: a misplaced chunk shows
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
-    model.to(torch.float32)
-    out = tmp_path / "bf16"
-    write_weights_dir(
-        out,
-        iter_full_tensors(model, Distributed(0, 1, torch.device("cuda", 0))),
-        base_model=base,
-        step=1,
-        content_id="c",
-        chunk_bytes=chunk_bytes,
-    )
-    assert verify(out, checksums=True)["dtype"] == "bfloat16"
-    assert filecmp.cmp(out / "model.safetensors", tmp_path / "hf" / "model.safetensors", shallow=False)
-
-    big = {"a.weight": torch.randn(3_000_001, device="cuda"), "b.weight": torch.randn(17, 5, device="cuda")}
-    write_weights_dir(
-        tmp_path / "f32",
-        big,
-        base_model=base,
-        step=1,
-        content_id="c",
-        dtype=torch.float32,
-        chunk_bytes=chunk_bytes,
-        max_shard_bytes=8 * 2**20,
-    )
-    assert_bit_equal(read_all(tmp_path / "f32"), {k: v.cpu() for k, v in big.items()})
-    verify(tmp_path / "f32", checksums=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the pinned-buffer path)")
-def test_cuda_writer_waits_for_the_device(tmp_path):
-    """Each tensor is produced by kernels queued behind a ~50 ms sleep on the GPU, and the cast
-    and copies queue behind them: the writer must wait for every buffer's copies before writing it."""
-    base = build_llama(tmp_path / "base")
-    sizes = {"a.weight": 3 * 16384 + 5, "b.weight": 7, "c.weight": 2 * 16384}  # spans 1 to 4 chunks of 64 KiB
-    produced = {}
-
-    def fetch(names):
-        for name in names:
-            torch.cuda._sleep(100_000_000)
-            produced[name] = torch.arange(sizes[name], device="cuda", dtype=torch.float32) * 1.5 + len(name)
-            yield name, produced[name]
-
-    specs = [TensorSpec(n, (size,), torch.float32, torch.device("cuda", 0)) for n, size in sizes.items()]
-    for dtype in (torch.float32, torch.bfloat16):
-        out = tmp_path / str(dtype)
-        write_weights_dir(
-            out, TensorStream(specs, fetch), base_model=base, step=1, content_id="c", dtype=dtype, chunk_bytes=65536
-        )
-        assert_bit_equal(read_all(out), {k: v.to(dtype).cpu() for k, v in produced.items()})
 
 
 @pytest.mark.timeout(400)

@@ -19,29 +19,24 @@ API:
 (names, shapes and dtypes known up front, tensors produced one at a time in the order the writer
 asks for: a safetensors header comes before the data, so the writer must know every shape first).
 
-Each file is a safetensors file as `safetensors.torch.save_file` writes it: 8-byte little-endian
-header length, compact JSON header (`__metadata__` {"format": "pt"}, then per tensor dtype, shape,
-data_offsets) padded with spaces to a multiple of 8, then the tensors back to back, sorted by name
-within each file; tensors go to shards in natural name order, a new shard when the next would pass
-max_shard_bytes, as save_pretrained splits them. The files' bytes equal save_pretrained's (tested).
+Each file is a safetensors file as `safetensors.torch.save_file` writes it (safetensors_stream:
+header, then the tensors back to back), its tensors sorted by name; tensors go to shards in
+natural name order, a new shard when the next would pass max_shard_bytes, as save_pretrained
+splits them. The files' bytes equal save_pretrained's (tested).
 
 Guarantees:
 
-- Atomic: everything is written in a hidden sibling `.<name>.<pid>.partial` and renamed into place,
-  then the parent directory is fsynced. A reader sees no directory, the previous complete one, or
-  the new complete one, even if the writer is SIGKILLed at any point (tested). Replacing an existing
-  `dest` swaps the two directories in one step (renameat2 RENAME_EXCHANGE, Linux); where the
-  filesystem cannot, the old one is renamed aside first and `dest` is briefly absent.
+- Atomic (atomic_dir): everything is written in a hidden sibling `.<name>.<pid>.partial`, then
+  renamed into place; a reader sees no directory, the previous complete one, or the new complete
+  one, even if the writer is SIGKILLed at any point (tested). The next write of `dest` clears
+  what dead writers left.
 - Durable: one fsync per file, one for the new directory, one for the parent.
 - The manifest (`manifest.json`) is the last file written: step, content_id, dtype, bytes, and for
   each other file its size and crc32 (computed on the chunks as they are written, no extra read).
   `verify` checks the sizes (cheap), and with checksums=True reads everything back.
-- Streaming: tensors go from their device to the file in chunks of chunk_bytes. CUDA tensors are
-  cast on the device, copied into two pinned host buffers in turn (the copy of one overlaps the
-  write of the other); CPU tensors of the target dtype are written straight from their memory.
-  Small tensors share a chunk. The crc32 of a chunk runs in a helper thread while the chunk is
-  written, and each written range is handed to the kernel's writeback at once (sync_file_range),
-  so the final fsync waits only for the tail.
+- Streaming (safetensors_stream): tensors go from their device to the file in chunks of
+  chunk_bytes (CUDA tensors cast on the device, through two pinned host buffers in turn); the
+  crc32 and the kernel's writeback overlap the writes, so the final fsync waits only for the tail.
 - Bad input is refused before anything is written when it is known up front (a non-floating-point
   dtype, a non-contiguous tensor of a mapping, a missing config.json), otherwise when the tensor
   arrives; the error names the tensor and what to do. A failed write (a full disk: ENOSPC, EFBIG,
@@ -59,23 +54,22 @@ Qwen2 and other models without a checkpoint conversion mapping.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from protocol.fsio import FILE_MODE, fsync_dir, write_synced
+from protocol.fsio import fsync_dir
 
+from .atomic_dir import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: publish names partials with it
+from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
 from .model import Distributed
+from .safetensors_stream import SAFETENSORS_DTYPES, Buffers, ShardFile, file_crc32, header, write_small
 
 MANIFEST = "manifest.json"
 SINGLE_FILE = "model.safetensors"
@@ -95,18 +89,6 @@ COPIED_FILES = (
 )
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the shard size most published checkpoints use
-PARTIAL_SUFFIX = ".partial"
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-_FULL_DISK = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-_THREADED_CRC_MIN = 1 << 20  # below this a chunk's crc is cheaper than a hand-off to the helper thread
 
 
 class WeightsCorrupt(ValueError):
@@ -309,8 +291,8 @@ def write_weights_dir(
     target = dtype or _default_dtype(stream.specs)
     for spec in stream.specs:
         _check_spec(spec)
-    if target not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"cannot write dtype {target}; choose one of {', '.join(map(str, _SAFETENSORS_DTYPES))}")
+    if target not in SAFETENSORS_DTYPES:
+        raise ValueError(f"cannot write dtype {target}; choose one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
     if chunk_bytes < 4096 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a multiple of 8 and at least 4096, not {chunk_bytes}")
     shards = _plan_shards(stream.specs, target, max_shard_bytes)
@@ -376,36 +358,10 @@ def verify(path: Path, *, checksums: bool = False) -> dict:
             ) from exc
         if size != entry["size"]:
             raise WeightsCorrupt(f"{path}: {name} has {size} bytes, the manifest says {entry['size']}; write it again")
-        if checksums and entry["crc32"] is not None and _file_crc32(path / name) != int(entry["crc32"], 16):
+        crc = entry["crc32"]
+        if checksums and crc is not None and file_crc32(path / name, DEFAULT_CHUNK_BYTES) != int(crc, 16):
             raise WeightsCorrupt(f"{path}: {name} does not match its crc32 in {MANIFEST}; write it again")
     return manifest
-
-
-def staging_dir(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.{os.getpid()}{PARTIAL_SUFFIX}")
-
-
-def remove_stale_partials(parent: Path, stem: str = "") -> list[Path]:
-    """Remove hidden `.<stem>*.<pid>.partial` entries of `parent` whose writer is gone (no process
-    with that pid on this host, or this process). A live writer's staging is left alone."""
-    removed = []
-    try:
-        entries = list(Path(parent).iterdir())
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        name = entry.name
-        if not (name.startswith("." + stem) and name.endswith(PARTIAL_SUFFIX)):
-            continue
-        pid = name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[-1]
-        if not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-        removed.append(entry)
-    return removed
 
 
 # --- internals -------------------------------------------------------------------------------
@@ -472,22 +428,6 @@ def _natural_key(name: str) -> tuple:
     return tuple(parts)
 
 
-def _header(shard: list[TensorSpec], target: torch.dtype) -> bytes:
-    entries: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in shard:
-        end = offset + spec.numel * target.itemsize
-        entries[spec.name] = {
-            "dtype": _SAFETENSORS_DTYPES[target],
-            "shape": list(spec.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return len(text).to_bytes(8, "little") + text
-
-
 def _shard_names(count: int) -> list[str]:
     if count == 1:
         return [SINGLE_FILE]
@@ -505,11 +445,11 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
         files: dict[str, dict] = {}
         names = _shard_names(len(shards))
         weight_map = {}
-        buffers = _Buffers(chunk_bytes, pinned=any(spec.device.type == "cuda" for shard in shards for spec in shard))
+        buffers = Buffers(chunk_bytes, pinned=any(spec.device.type == "cuda" for shard in shards for spec in shard))
         for shard, name in zip(shards, names, strict=True):
-            sink = _ShardFile(staging / name, buffers, checksums)
+            sink = ShardFile(staging / name, buffers, checksums)
             try:
-                sink.write(memoryview(_header(shard, target)), what="the header")
+                sink.write(memoryview(header([(spec.name, spec.shape) for spec in shard], target)), what="the header")
                 for spec in shard:
                     tensor_name, tensor = next(source, (None, None))
                     _check_arrival(spec, tensor_name, tensor)
@@ -523,12 +463,12 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
             total = sum(spec.numel * target.itemsize for shard in shards for spec in shard)
             params = sum(spec.numel for shard in shards for spec in shard)
             index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
-            files[INDEX_FILE] = _write_small(
+            files[INDEX_FILE] = write_small(
                 staging / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             )
         for name in COPIED_FILES:
             if (base_model / name).is_file():
-                files[name] = _write_small(staging / name, (base_model / name).read_bytes())
+                files[name] = write_small(staging / name, (base_model / name).read_bytes())
         total_bytes = sum(entry["size"] for entry in files.values())
         manifest = {
             "step": step,
@@ -541,9 +481,9 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
             "write_seconds": round(time.monotonic() - started, 6),
             "created_at": time.time(),
         }
-        _write_small(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_small(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
         fsync_dir(staging)
-        _move_into_place(staging, dest)
+        move_into_place(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -561,231 +501,3 @@ def _check_arrival(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
             f"{spec.dtype} {spec.shape}; a stream's specs must describe its tensors"
         )
     _check_tensor(name, tensor)
-
-
-def _write_small(path: Path, data: bytes) -> dict:
-    try:
-        write_synced(path, data)
-    except OSError as exc:
-        raise _write_error(exc, path, "the file") from exc
-    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-
-
-def _write_error(exc: OSError, path: Path, what: str) -> OSError:
-    hint = (
-        " The filesystem is full or the file too large: free space there or publish elsewhere."
-        if exc.errno in _FULL_DISK
-        else ""
-    )
-    return OSError(
-        exc.errno,
-        f"writing {what} into {path} failed: {exc.strerror}.{hint} The previous weights directory is untouched",
-    )
-
-
-class _Buffers:
-    """Two staging buffers of chunk_bytes, pinned when tensors come from a GPU. They are kept for
-    the process's life: pinning, or first touching fresh pages, costs milliseconds per write."""
-
-    _cache: dict[tuple[int, bool], list[torch.Tensor]] = {}
-
-    def __init__(self, chunk_bytes: int, pinned: bool):
-        self.chunk_bytes = chunk_bytes
-        self.pinned = pinned
-
-    def get(self) -> list[torch.Tensor]:
-        key = (self.chunk_bytes, self.pinned)
-        if key not in self._cache:
-            for other in [k for k in self._cache if k[1] == self.pinned]:
-                del self._cache[other]  # one size of each kind at a time
-            self._cache[key] = [
-                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned) for _ in range(2)
-            ]
-        return self._cache[key]
-
-
-class _ShardFile:
-    """One safetensors file being appended to: size and crc32 counted as the bytes go out."""
-
-    def __init__(self, path: Path, buffers: _Buffers, checksums: bool):
-        self.path = path
-        self.buffers = buffers
-        self.checksums = checksums
-        self.size = 0
-        self.crc = 0
-        self.tensor = ""  # the tensor being written, for error messages
-        self._fill = 0  # bytes staged in the current buffer
-        self._current = 0  # which of the two buffers is being filled
-        self._pending: tuple[int, int, object] | None = None  # (buffer, bytes, CUDA event): staged, not written
-        self._staged_cuda = False  # the current buffer has copies from a GPU in flight
-        try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise _write_error(exc, path, "a shard") from exc
-
-    def append(self, name: str, tensor: torch.Tensor, target: torch.dtype) -> None:
-        self.tensor = name
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == 0:
-            return
-        if flat.device.type == "cpu" and flat.dtype == target:
-            self._flush_staged()  # the file's bytes stay in order
-            data = memoryview(flat.view(torch.uint8).numpy())
-            for start in range(0, len(data), self.buffers.chunk_bytes):
-                self.write(data[start : start + self.buffers.chunk_bytes])
-            return
-        self._stage(flat, target)
-
-    def _stage(self, flat: torch.Tensor, target: torch.dtype) -> None:
-        """Cast and copy into the staging buffers, chunk by chunk; a full buffer is written while
-        the other one fills (on CUDA the copies are asynchronous)."""
-        itemsize = target.itemsize
-        cuda = flat.device.type == "cuda"
-        pos, count = 0, flat.numel()
-        while pos < count:
-            take = min((self.buffers.chunk_bytes - self._fill) // itemsize, count - pos)
-            buffer = self.buffers.get()[self._current]
-            dst = buffer[self._fill : self._fill + take * itemsize].view(target)
-            src = flat[pos : pos + take]
-            if cuda:
-                # cast on the device (a chunk-sized temporary), then one DMA into pinned memory
-                dst.copy_(src.to(target), non_blocking=True)
-                self._staged_cuda = True
-            else:
-                dst.copy_(src)
-            self._fill += take * itemsize
-            pos += take
-            if self._fill == self.buffers.chunk_bytes:
-                self._rotate()
-
-    def _rotate(self) -> None:
-        event = None
-        if self._staged_cuda:  # the copies into this buffer are asynchronous: write it once they are done
-            event = torch.cuda.Event()
-            event.record()
-            self._staged_cuda = False
-        self._write_pending()
-        self._pending = (self._current, self._fill, event)
-        self._current ^= 1
-        self._fill = 0
-
-    def _write_pending(self) -> None:
-        if self._pending is None:
-            return
-        index, nbytes, event = self._pending
-        if event is not None:
-            event.synchronize()
-        self.write(memoryview(self.buffers.get()[index][:nbytes].numpy()))
-        self._pending = None
-
-    def _flush_staged(self) -> None:
-        if self._fill:
-            self._rotate()
-        self._write_pending()
-
-    def write(self, data: memoryview, *, what: str | None = None) -> None:
-        future = None
-        if self.checksums:
-            if len(data) >= _THREADED_CRC_MIN:
-                future = _crc_thread().submit(zlib.crc32, data, self.crc)
-            else:
-                self.crc = zlib.crc32(data, self.crc)
-        try:
-            view = data
-            while view:
-                view = view[os.write(self.fd, view) :]
-        except OSError as exc:
-            raise _write_error(exc, self.path, what or f"tensor {self.tensor!r}") from exc
-        finally:
-            if future is not None:
-                self.crc = future.result()
-        _start_writeback(self.fd, self.size, len(data))
-        self.size += len(data)
-
-    def finish(self) -> dict:
-        self._flush_staged()
-        try:
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise _write_error(exc, self.path, "the end of the file") from exc
-        return {"size": self.size, "crc32": f"{self.crc:08x}" if self.checksums else None}
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-_crc_pool: ThreadPoolExecutor | None = None
-
-
-def _crc_thread() -> ThreadPoolExecutor:
-    # One thread, so a file's chunks are summed in order; zlib.crc32 releases the GIL on large buffers.
-    global _crc_pool
-    if _crc_pool is None:
-        _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crc32")
-    return _crc_pool
-
-
-def _file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(DEFAULT_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-_libc = None
-
-
-def _libc_fn(name: str):
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return getattr(_libc, name, None)
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing this range now (SYNC_FILE_RANGE_WRITE: no wait), so disk
-    writes overlap with the next chunk instead of all waiting for the final fsync."""
-    fn = _libc_fn("sync_file_range")
-    if fn is not None:
-        fn(ctypes.c_int(fd), ctypes.c_int64(offset), ctypes.c_int64(nbytes), ctypes.c_uint(2))
-
-
-def _move_into_place(staging: Path, dest: Path) -> None:
-    if os.path.lexists(dest):
-        if _exchange(staging, dest):  # staging now holds the old directory
-            fsync_dir(dest.parent)
-            shutil.rmtree(staging, ignore_errors=True)
-            return
-        aside = dest.with_name(f".{dest.name}.old.{os.getpid()}{PARTIAL_SUFFIX}")
-        os.rename(dest, aside)
-        os.rename(staging, dest)
-        fsync_dir(dest.parent)
-        shutil.rmtree(aside, ignore_errors=True)
-        return
-    os.rename(staging, dest)
-    fsync_dir(dest.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where unsupported."""
-    fn = _libc_fn("renameat2")
-    if fn is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"swapping {a} with {b}: {os.strerror(err)}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
