@@ -49,7 +49,10 @@ def main() -> None:
         "median_step_s": round(statistics.median(r["step_s"] for r in rows), 3),
         "median_rollout_s": round(statistics.median(r["rollout_s"] for r in rows), 3),
         "median_train_s": round(statistics.median(r["train_s"] for r in rows), 3),
+        "median_generate_s": round(statistics.median(r["generate_s"] for r in rows), 3),
+        "median_publish_s": round(statistics.median(r["publish_s"] for r in rows), 3),
         "median_save_s": round(statistics.median(r["save_s"] for r in rows), 3),
+        "checkpoints_saved": sum(r["save_s"] > 0 for r in rows),
         "mismatch_max": s["mismatch_max"],
         "plot": str(ROOT / "runs" / "demo" / "training.png"),
     }

@@ -14,7 +14,8 @@ from local_sampler import TorchSampler  # noqa: E402
 
 from trainer_svc.config import Config  # noqa: E402
 from trainer_svc.loop import train  # noqa: E402
+from trainer_svc.run import exit_process  # noqa: E402
 
 if __name__ == "__main__":
     cfg = msgspec.json.decode(Path(sys.argv[1]).read_bytes(), type=Config)
-    sys.exit(train(cfg, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)))
+    exit_process(train(cfg, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)))

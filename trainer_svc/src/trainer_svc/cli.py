@@ -94,7 +94,9 @@ def train(
             f"results: {cfg.run_dir / 'stage_result.json'}, "
             f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`"
         )
-    raise typer.Exit(code)
+    from .run import exit_process
+
+    exit_process(code)
 
 
 @app.command()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +102,19 @@ class Run:
         self.out.close()
         if self.dist.world_size > 1:
             dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End this process with `code`. One of several torchrun ranks skips the interpreter's
+    teardown: by then every output is written and the process group destroyed, and gloo's
+    threads, torn down with the interpreter, can abort a finished run ("terminate called without
+    an active exception", exit -6), which torchrun reports as a failed one."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> Run:
