@@ -1,18 +1,20 @@
-"""Checkpoints: the weight sync and the resume point, in one atomically renamed directory.
+"""Resume checkpoints: what a relaunch needs, in one atomically renamed directory, every
+`checkpoint.every` steps and at every stop, at the end and when the tripwire fires. (The weight
+sync is separate: weight_sync publishes the weights alone, every step.)
 
     run_dir/checkpoints/step_00000012/
         config.json, generation_config.json, tokenizer files   copied from the base model
         model.safetensors (or shards + index)                 the policy's weights
         manifest.json                                         step, content id, base model
+        PINNED                                                when the tripwire fired: never pruned
         trainer_state/                                        what a resume needs
             optimizer.pt      torch.save of tensors only, read back with weights_only=True
             rng.safetensors   torch RNG states
             state.json        step, scheduler, data cursor, counters, tripwire
 
-It is written into a hidden sibling and renamed into place, so a rollout worker (or a resume)
-never sees half a checkpoint. Config and tokenizer files are copied byte for byte from the base
-model, so a worker recognises the same architecture and tokenizer and reloads in place. The
-content id is unique per save: a worker can tell two saves of one path apart.
+It is written into a hidden sibling and renamed into place, so a resume never sees half a
+checkpoint; the weights are an HF directory (a worker or an eval job can load them too).
+`restore` continues a run from the newest one.
 """
 
 from __future__ import annotations
