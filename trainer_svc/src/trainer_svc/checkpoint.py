@@ -168,13 +168,7 @@ def save_and_prune(
     )
     if dist_info.is_main:
         prune(cfg.run_dir, cfg.checkpoint.keep_last)
-    if dist_info.world_size > 1:  # also the barrier: no rank runs ahead of the save
-        import torch.distributed as dist
-
-        box = [saved]
-        dist.broadcast_object_list(box, src=0)
-        saved = box[0]
-    return saved
+    return dist_info.from_rank0(saved)  # also the barrier: no rank runs ahead of the save
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -27,6 +27,14 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def from_rank0(self, obj):
+        """Rank 0's `obj` on every rank (a small picklable object); every rank must call it."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 def init_distributed() -> Distributed:
     """One process, or the process group torchrun describes (gloo on CPU, NCCL on GPU)."""

@@ -10,11 +10,10 @@ the gradient, and the step's size stays what the config says).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from . import grpo
 from .config import Config
@@ -64,7 +63,6 @@ class StepRollouts:
     retries: int  # extra requests made
     generate_s: float = 0.0  # waiting for the rollout service (generation, queueing, reloads)
     score_s: float = 0.0  # rewards: answer extraction, verifier, shaping
-    stats: dict = field(default_factory=dict)
 
 
 class StepSampler:
@@ -82,11 +80,7 @@ class StepSampler:
             torch.cuda.empty_cache()  # blocks the trainer cached are the memory a waking worker needs
         if self.sampler is not None:
             local = sample_step(self.sampler, self.stream, self.verifier, self.cfg, step=step, weights=weights)
-        if self.dist.world_size == 1:
-            return local
-        box = [local]  # one object: a step's rollouts are small
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return self.dist.from_rank0(local)  # one object: a step's rollouts are small
 
     def close(self) -> None:
         if self.sampler is not None:

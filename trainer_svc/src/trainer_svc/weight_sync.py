@@ -20,7 +20,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from . import publish as published
 from .config import Config
@@ -36,7 +35,6 @@ class WeightSync:
         self.cfg = cfg
         self.dist = dist_info
         self.dir = cfg.publish_dir
-        self.bytes = 0  # of the last publish
         self.dtype = {"auto": serving_dtype(dist_info.device), "float32": torch.float32, "bfloat16": torch.bfloat16}[
             cfg.publish.dtype
         ]
@@ -56,10 +54,9 @@ class WeightSync:
         )
         ref = None
         if record is not None:  # rank 0
-            self.bytes = record.bytes
             published.prune_published(self.dir, self.cfg.publish.keep_last, self.cfg.spool_dir)
             ref = WeightsRef(str(record.path), record.content_id, record.step)
-        return self._same_on_every_rank(ref)
+        return self.dist.from_rank0(ref)
 
     def resume(self, model, step: int) -> WeightsRef:
         """The weights rollouts use after a resume at `step`: the starting model at step 0; else
@@ -76,12 +73,5 @@ class WeightSync:
                 ref = WeightsRef(self.cfg.model.path)
             elif found is not None and found.step == step:
                 ref = WeightsRef(str(found.path), found.content_id, found.step)
-        ref = self._same_on_every_rank(ref)
+        ref = self.dist.from_rank0(ref)
         return ref if ref is not None else self.publish(model, step)
-
-    def _same_on_every_rank(self, ref: WeightsRef | None) -> WeightsRef | None:
-        if self.dist.world_size == 1:
-            return ref
-        box = [ref]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]

@@ -319,12 +319,9 @@ def write_weights_dir(
     if agree:
         for _ in source:  # the gathers rank 0 did not reach (all of them on other ranks)
             pass
-        import torch.distributed as dist
-
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(outcome, src=0)
-        if not main and outcome[0] is not None:
-            raise RuntimeError(f"rank 0 could not write {dest}: {outcome[0]}")
+        outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+        if not main and outcome is not None:
+            raise RuntimeError(f"rank 0 could not write {dest}: {outcome}")
     if error is not None:
         raise error
     return written
