@@ -128,7 +128,7 @@ def direct_child(args) -> None:
 
     from rollout_svc.engines.vllm_host import EXTENSION, configure_environment
 
-    configure_environment("cuda", 1.0)
+    configure_environment("cuda", "bfloat16", 1.0)
     llm = LLM(
         str(args.direct_child), dtype="bfloat16", seed=0, max_model_len=MAX_MODEL_LEN, enforce_eager=False,
         gpu_memory_utilization=0.85, load_format="safetensors", logprobs_mode="processed_logprobs",

@@ -6,6 +6,7 @@ engine process is tested in tests/e2e (CPU) and tests/gpu."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,7 @@ import rollout_svc.engines.vllm as vllm_module
 from rollout_svc.engines.base import Completion
 from rollout_svc.engines.host import HostDied, HostError
 from rollout_svc.engines.vllm import VllmEngine
+from rollout_svc.engines.vllm_host import configure_environment
 from rollout_svc.tiny_model import build
 from rollout_svc.weights import WeightsPolicy
 
@@ -85,6 +87,18 @@ def test_settings_follow_the_device():
     assert VllmEngine(policy=WeightsPolicy(), device="cuda:0", enforce_eager=True).spec.enforce_eager is True
     assert VllmEngine(policy=WeightsPolicy(), device="cuda:0", sleep_level=1).spec.sleep_mode is True
     assert cpu.name.startswith("vllm ")
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "expected"),
+    [("cuda:0", "float32", "ieee"), ("cuda:0", "bfloat16", None), ("cpu", "float32", None)],
+)
+def test_a_float32_gpu_engine_asks_triton_for_ieee_float32_dots(monkeypatch, device, dtype, expected):
+    """Triton's default float32 dot is TF32, which moved GPU logprobs by 1e-2 from the trainer's."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "unset")  # records the variable's state, restored afterwards
+    monkeypatch.delenv("TRITON_F32_DEFAULT")
+    configure_environment(device, dtype, kv_cache_gib=1.0)
+    assert os.environ.get("TRITON_F32_DEFAULT") == expected
 
 
 def test_sleep_is_refused_on_cpu_and_levels_other_than_1_and_2_everywhere():

@@ -57,10 +57,16 @@ class StaleWeights(RuntimeError):
     """The engine's tensors differ from the files after a weight change."""
 
 
-def configure_environment(device: str, kv_cache_gib: float) -> None:
+def configure_environment(device: str, dtype: str, kv_cache_gib: float) -> None:
     """Environment vLLM reads when an engine starts; call before building one."""
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+    elif dtype == "float32":
+        # vLLM's Triton attention multiplies float32 with Triton's default dot precision, TF32
+        # (10-bit mantissa): logprobs then differ from the trainer's by 1e-2 or more (measured on
+        # an H200). A float32 engine exists to match the trainer exactly, so its dots run in IEEE
+        # float32; matmuls outside Triton already do (vLLM sets torch's precision to "highest").
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
         try:
             import flashinfer  # noqa: F401
@@ -77,7 +83,7 @@ class LiveEngine:
         self.weights: Weights | None = None
 
     def build(self, spec: EngineSpec, weights: Weights) -> dict:
-        configure_environment(spec.device, spec.kv_cache_gib)
+        configure_environment(spec.device, spec.dtype, spec.kv_cache_gib)
         from vllm import LLM
 
         started = time.monotonic()
