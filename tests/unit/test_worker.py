@@ -289,6 +289,9 @@ def test_a_failing_request_is_isolated_from_its_batch(spool, make_request, run_w
     assert "RuntimeError" in bad.error.message and "the engine choked on boom" in bad.error.message
     assert "the log of worker w1 has the traceback" in bad.error.message
     assert bad.texts == [] and bad.worker_id == "w1"
+    # A valid request the engine failed on is archived like a served one, not kept as bad input.
+    wait_for(lambda: (spool.done / "bad.request.json").exists(), what="the failed request in done/")
+    assert not os.path.lexists(spool.bad / "bad.json")
 
 
 def test_request_failed_keeps_its_own_code(spool, make_request, run_worker, wait_for):
@@ -301,6 +304,9 @@ def test_request_failed_keeps_its_own_code(spool, make_request, run_worker, wait
     assert results["short"].ok
     wait_for(lambda: handle.counters.requests_failed == 1 and handle.counters.requests_ok == 1, what="counters")
     assert "prompt of 9999 tokens" in handle.worker.heartbeat.status.last_error
+    # Refused for its content (the contract's bad input): kept in bad/, where `spoolctl requeue` finds it.
+    assert (spool.bad / "long.json").exists() and not (spool.done / "long.request.json").exists()
+    assert (spool.done / "short.request.json").exists()
 
 
 def test_an_expired_deadline_is_answered_without_the_engine(spool, make_request, run_worker, wait_for):

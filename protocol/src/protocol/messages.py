@@ -62,6 +62,13 @@ class ErrorCode(str, enum.Enum):
     PROMPT_TOO_LONG = "prompt_too_long"  # a prompt exceeds what the engine accepts
     ENGINE_ERROR = "engine_error"  # the engine raised while serving a valid request
 
+    @property
+    def rejects_input(self) -> bool:
+        """The request itself is at fault (unreadable, invalid, bad weights, prompt too long):
+        its file is kept in bad/. A valid request that failed (deadline_expired, engine_error)
+        is archived in done/ like a served one."""
+        return self not in (ErrorCode.DEADLINE_EXPIRED, ErrorCode.ENGINE_ERROR)
+
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A generation request: `requests/<request_id>.json`, written by a producer."""

@@ -432,9 +432,12 @@ class Spool:
         os.unlink(final)
         return True
 
-    def finish(self, claim: Claim) -> None:
-        """Archive a served claim in done/. Its result must already be published."""
-        self._move_claim(claim, self.archived_request_path(claim.request_id))
+    def finish(self, claim: Claim, *, rejected: bool = False) -> None:
+        """Archive a served claim in done/, or keep it in bad/ when its error result
+        `rejected` it for its content (ErrorCode.rejects_input). Its result must already be
+        published."""
+        target = self._free_bad_path(claim.name) if rejected else self.archived_request_path(claim.request_id)
+        self._move_claim(claim, target)
 
     def reject(self, claim: Claim, error: MessageError, worker_id: str = "") -> bool:
         """Give a bad request its error result (when it has a valid id) and keep it in bad/.

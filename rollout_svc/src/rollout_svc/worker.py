@@ -298,7 +298,7 @@ class Worker:
             self.heartbeat.count(requests_abandoned=lost)
         self.spool.publish_results([r for _, r in held])
         for job, result in held:
-            self.spool.finish(job.claim)
+            self.spool.finish(job.claim, rejected=not result.ok and result.error.code.rejects_input)
             if result.ok:
                 samples = sum(len(s) for s in result.texts)
                 tokens = sum(len(t) for per_prompt in result.token_ids for t in per_prompt)
