@@ -183,8 +183,9 @@ def test_bad_weights_get_error_results_and_the_worker_keeps_serving(worker, mode
         assert not result.ok and result.error.code == code, (name, result.error)
         assert phrase in result.error.message, (name, result.error.message)
         # Refused for its content: the request file is kept in bad/, not archived as served.
-        kept = poll(lambda: worker["spool"].locate(result.request_id), lambda paths: len(paths) == 2)
-        assert worker["spool"].bad_path(f"{result.request_id}.json") in kept, (name, kept)
+        request_id = result.request_id
+        kept = poll(lambda rid=request_id: worker["spool"].locate(rid), lambda paths: len(paths) == 2)
+        assert worker["spool"].bad_path(f"{request_id}.json") in kept, (name, kept)
     assert ask(client, models["a"]).ok
     status = wait_for_status(worker["spool"], WORKER, lambda s: True, 5)
     assert status.last_error and worker["proc"].poll() is None
