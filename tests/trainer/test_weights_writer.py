@@ -17,6 +17,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 
@@ -66,7 +67,7 @@ def test_single_file_is_save_pretrained_byte_for_byte(tiny_model, tmp_path):
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {MANIFEST}
     for name, entry in manifest["files"].items():
         data = (out / name).read_bytes()
-        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        assert entry == {"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
     assert written.bytes == sum(entry["size"] for entry in manifest["files"].values())
     assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # no staging left behind
 
@@ -110,6 +111,45 @@ def test_chunks_and_cast_give_the_same_bytes(tiny_model, tmp_path, chunk_bytes):
         assert_bit_equal(read_all(small), {k: v.to(dtype) for k, v in state.items()})
         assert_bit_equal(read_all(big), read_all(small))
         verify(small, checksums=True)
+
+
+def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkeypatch):
+    """Four threads writing 4 KiB chunks at their offsets, out of order, write the same file
+    and the same checksum as one thread."""
+    import trainer_svc.safetensors_stream as stream
+
+    state = load_model(tiny_model).state_dict()
+    one = tmp_path / "one"
+    write_weights_dir(one, state, base_model=tiny_model, step=1, content_id="a", dtype=torch.bfloat16)
+    monkeypatch.setattr(stream, "_writer_threads", lambda: 4)
+    monkeypatch.setattr(stream, "_pools", {})
+    many = tmp_path / "many"
+    write_weights_dir(
+        many, state, base_model=tiny_model, step=1, content_id="a", dtype=torch.bfloat16, chunk_bytes=4096
+    )
+    assert stream._writers()._max_workers == 4 and len(stream.Buffers(4096, pinned=False).get()) == 5
+    assert (many / "model.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
+    assert verify(many, checksums=True)["files"]["model.safetensors"] == verify(one)["files"]["model.safetensors"]
+
+
+def test_a_manifest_with_zlib_crc32_is_still_verified(tiny_model, tmp_path):
+    """Directories written before crc32c carry zlib's crc32: verify checks them with it."""
+    out = tmp_path / "out"
+    write_weights_dir(out, load_model(tiny_model).state_dict(), base_model=tiny_model, step=1, content_id="c")
+    manifest = json.loads((out / MANIFEST).read_bytes())
+    manifest["checksum"] = "crc32"
+    manifest["files"] = {
+        name: {"size": e["size"], "crc32": f"{zlib.crc32((out / name).read_bytes()):08x}"}
+        for name, e in manifest["files"].items()
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    verify(out, checksums=True)
+    shard = out / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WeightsCorrupt, match="does not match its crc32 "):
+        verify(out, checksums=True)
 
 
 def test_tied_weights_are_left_out_as_save_pretrained_does(tied_model, tmp_path):
@@ -244,22 +284,22 @@ def test_base_model_without_config_is_refused(tiny_model, tmp_path):
 
 
 def test_full_disk_names_the_tensor_and_keeps_the_previous_directory(tiny_model, tmp_path, monkeypatch):
-    """ENOSPC part-way through a shard (os.write fails once 600 kB are out)."""
+    """ENOSPC part-way through a shard (os.pwrite fails once 600 kB are out)."""
     import errno
 
     out = tmp_path / "out"
     before = previous(tiny_model, out)
-    real_write = os.write
+    real_pwrite = os.pwrite
     budget = {"left": 600_000}
 
-    def write(fd, data):
+    def pwrite(fd, data, offset):
         if budget["left"] <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        n = real_write(fd, data[: budget["left"]])
+        n = real_pwrite(fd, data[: budget["left"]], offset)
         budget["left"] -= n
         return n
 
-    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     with pytest.raises(OSError, match=r"model.safetensors failed: No space left on device\. .*free space") as info:
         write_weights_dir(
             out, load_model(tiny_model).state_dict(), base_model=tiny_model, step=2, content_id="n", chunk_bytes=65536

@@ -103,7 +103,7 @@ def publish(
     `tensors`: iter_full_tensors(model, dist_info) on every rank (FSDP2: gathered one at a time),
     or a mapping on rank 0. dtype None: bfloat16 for CUDA tensors, the tensors' own on CPU.
     `run_name` prefixes the content id (default: publish_dir's parent's name, the run directory
-    when publish_dir is run_dir/published). checksums=False leaves the crc32s out of the manifest
+    when publish_dir is run_dir/published). checksums=False leaves the crc32c checksums out of the manifest
     (they add 3-28% to a publish on a GPU host, and double it on a busy 2-core CPU: docs/BENCHMARKS.md).
     Returns the record on rank 0, None elsewhere."""
     publish_dir = Path(publish_dir)

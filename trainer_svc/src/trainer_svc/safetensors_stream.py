@@ -2,9 +2,9 @@
 
     header(tensors, dtype) -> bytes                 a file's header, for (name, shape) in file order
     ShardFile(path, buffers, checksums)             .write(bytes), .append(name, tensor, dtype), .finish()
-    Buffers(chunk_bytes, pinned)                    the two staging buffers, kept for the process's life
-    write_small(path, data) -> {"size", "crc32"}    a whole small file, synced
-    file_crc32(path, chunk_bytes) -> int            a file's crc32, read back
+    Buffers(chunk_bytes, pinned)                    the staging buffers, kept for the process's life
+    write_small(path, data) -> {"size", "crc32c"}   a whole small file, synced
+    file_checksum(path, chunk_bytes, algorithm)     a file's crc32c (or crc32), read back
     write_error(exc, path, what) -> OSError         a failed write, named
 
 Guarantees:
@@ -13,15 +13,17 @@ Guarantees:
   length, then the compact JSON header (`__metadata__` {"format": "pt"}, then per tensor dtype,
   shape, data_offsets) padded with spaces to a multiple of 8; the tensors follow back to back, each
   cast to the file's dtype, in the order they are appended.
-- CUDA tensors are cast on the device, a chunk at a time, and copied into two pinned host buffers
-  in turn: one buffer is written while the copies into the other are in flight, and a buffer is
-  written only once its copies are complete (a CUDA event). CPU tensors of the file's dtype are
-  written straight from their memory; other CPU tensors are cast through the same buffers. Small
-  tensors share a chunk. The file's bytes do not depend on the chunk size.
-- Size and crc32 are counted on the bytes as they are written (no extra read); the crc32 of a large
-  chunk runs in one helper thread while the chunk is written, so a file's chunks are summed in
-  order. Each written range is handed to the kernel's writeback at once (sync_file_range, where
-  libc has it), so `finish`'s fsync waits only for the tail.
+- CUDA tensors are cast on the device, a chunk at a time, and copied into pinned host buffers in
+  turn; full buffers are written by several threads at once, each to its own offset (pwrite),
+  while the next buffers fill, and a buffer is written only once its copies are complete (a CUDA
+  event) and reused only once its write and checksum are done. CPU tensors of the file's dtype
+  are written straight from their memory; other CPU tensors are cast through the same buffers.
+  Small tensors share a chunk. The file's bytes do not depend on the chunk size or the threads.
+- Size and crc32c are counted on the bytes as they are written (no extra read); the crc32c runs on
+  one helper thread, chunk after chunk in file order. Each written range is handed to the
+  kernel's writeback at once (sync_file_range, where libc has it), so `finish`'s fsync waits only
+  for the tail. After a failed write no job touches the file or a buffer any more when the error
+  is raised.
 - A file is created exclusively (O_EXCL, no symlink followed). A failed write raises OSError with
   the errno kept, naming the file and what was being written (the header, the tensor); a full
   disk (ENOSPC, EFBIG, EDQUOT) says so and what to do. Removing the partial file is the caller's.
@@ -37,9 +39,10 @@ import math
 import os
 import zlib
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import torch
 
 from protocol.fsio import FILE_MODE, write_synced
@@ -53,7 +56,9 @@ SAFETENSORS_DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _FULL_DISK = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-_THREADED_CRC_MIN = 1 << 20  # below this a chunk's crc is cheaper than a hand-off to the helper thread
+# Checksums a manifest may name: crc32c (hardware-accelerated, ~15 GB/s on one core) is what the
+# writer computes; zlib's crc32 (~3 GB/s) is what older manifests carry, still verified.
+CHECKSUMS = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
 
 
 def header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
@@ -74,20 +79,21 @@ def header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -
 
 
 def write_small(path: Path, data: bytes) -> dict:
-    """Write a whole file and fsync it; its manifest entry: size and crc32."""
+    """Write a whole file and fsync it; its manifest entry: size and crc32c."""
     try:
         write_synced(path, data)
     except OSError as exc:
         raise write_error(exc, path, "the file") from exc
-    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    return {"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
 
 
-def file_crc32(path: Path, chunk_bytes: int) -> int:
-    crc = 0
+def file_checksum(path: Path, chunk_bytes: int, algorithm: str = "crc32c") -> int:
+    """A file's checksum (one of CHECKSUMS), read back."""
+    update, value = CHECKSUMS[algorithm], 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(chunk_bytes):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+            value = update(chunk, value)
+    return value
 
 
 def write_error(exc: OSError, path: Path, what: str) -> OSError:
@@ -103,40 +109,50 @@ def write_error(exc: OSError, path: Path, what: str) -> OSError:
 
 
 class Buffers:
-    """Two staging buffers of chunk_bytes, pinned when tensors come from a GPU. They are kept for
-    the process's life: pinning, or first touching fresh pages, costs milliseconds per write."""
+    """`count` staging buffers of chunk_bytes, pinned when tensors come from a GPU. They are kept
+    for the process's life: pinning, or first touching fresh pages, costs milliseconds per write."""
 
     _cache: dict[tuple[int, bool], list[torch.Tensor]] = {}
 
-    def __init__(self, chunk_bytes: int, pinned: bool):
+    def __init__(self, chunk_bytes: int, pinned: bool, count: int = 0):
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
+        self.count = count or _writer_threads() + 1  # one filling while every writer has one
 
     def get(self) -> list[torch.Tensor]:
         key = (self.chunk_bytes, self.pinned)
-        if key not in self._cache:
-            for other in [k for k in self._cache if k[1] == self.pinned]:
+        have = self._cache.get(key, [])
+        if len(have) < self.count:
+            for other in [k for k in self._cache if k[1] == self.pinned and k != key]:
                 del self._cache[other]  # one size of each kind at a time
-            self._cache[key] = [
-                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned) for _ in range(2)
+            have = have + [
+                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                for _ in range(self.count - len(have))
             ]
-        return self._cache[key]
+            self._cache[key] = have
+        return have[: self.count]
 
 
 class ShardFile:
-    """One safetensors file being appended to: size and crc32 counted as the bytes go out."""
+    """One safetensors file being appended to: size and crc32c counted as the bytes go out.
+
+    Every write goes to its own offset (os.pwrite), so chunks are written by several threads at
+    once while the next chunk is staged; the crc32c runs on one thread, chunk after chunk in file
+    order. A staging buffer is reused only once its write and its checksum are done."""
 
     def __init__(self, path: Path, buffers: Buffers, checksums: bool):
         self.path = path
         self.buffers = buffers
         self.checksums = checksums
-        self.size = 0
+        self.size = 0  # bytes handed out to writes so far: the offset of the next write
         self.crc = 0
         self.tensor = ""  # the tensor being written, for error messages
         self._fill = 0  # bytes staged in the current buffer
-        self._current = 0  # which of the two buffers is being filled
-        self._pending: tuple[int, int, object] | None = None  # (buffer, bytes, CUDA event): staged, not written
+        self._current = 0  # which buffer is being filled
         self._staged_cuda = False  # the current buffer has copies from a GPU in flight
+        self._busy: dict[int, list[Future]] = {}  # buffer -> its write and checksum, in flight
+        self._direct: list[Future] = []  # writes straight from tensor memory, in flight
+        self._crc_done: Future | None = None  # the last checksum job; each waits for the one before
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
@@ -149,19 +165,22 @@ class ShardFile:
             return
         if flat.device.type == "cpu" and flat.dtype == target:
             self._flush_staged()  # the file's bytes stay in order
-            data = memoryview(flat.view(torch.uint8).numpy())
+            data = memoryview(flat.view(torch.uint8).numpy())  # keeps the tensor's memory alive
             for start in range(0, len(data), self.buffers.chunk_bytes):
-                self.write(data[start : start + self.buffers.chunk_bytes])
+                self._direct.extend(self._submit(data[start : start + self.buffers.chunk_bytes], None))
+            self._direct = [f for f in self._direct if not f.done() or f.exception()]
             return
         self._stage(flat, target)
 
     def _stage(self, flat: torch.Tensor, target: torch.dtype) -> None:
-        """Cast and copy into the staging buffers, chunk by chunk; a full buffer is written while
-        the other one fills (on CUDA the copies are asynchronous)."""
+        """Cast and copy into the staging buffers, chunk by chunk; full buffers are written while
+        the next ones fill (on CUDA the copies are asynchronous)."""
         itemsize = target.itemsize
         cuda = flat.device.type == "cuda"
         pos, count = 0, flat.numel()
         while pos < count:
+            if self._fill == 0:
+                self._wait_buffer(self._current)
             take = min((self.buffers.chunk_bytes - self._fill) // itemsize, count - pos)
             buffer = self.buffers.get()[self._current]
             dst = buffer[self._fill : self._fill + take * itemsize].view(target)
@@ -183,65 +202,107 @@ class ShardFile:
             event = torch.cuda.Event()
             event.record()
             self._staged_cuda = False
-        self._write_pending()
-        self._pending = (self._current, self._fill, event)
-        self._current ^= 1
+        index, nbytes = self._current, self._fill
+        data = memoryview(self.buffers.get()[index][:nbytes].numpy())
+        self._busy[index] = self._submit(data, event)
+        self._current = (self._current + 1) % len(self.buffers.get())
         self._fill = 0
-
-    def _write_pending(self) -> None:
-        if self._pending is None:
-            return
-        index, nbytes, event = self._pending
-        if event is not None:
-            event.synchronize()
-        self.write(memoryview(self.buffers.get()[index][:nbytes].numpy()))
-        self._pending = None
 
     def _flush_staged(self) -> None:
         if self._fill:
             self._rotate()
-        self._write_pending()
 
     def write(self, data: memoryview, *, what: str | None = None) -> None:
-        future = None
-        if self.checksums:
-            if len(data) >= _THREADED_CRC_MIN:
-                future = _crc_thread().submit(zlib.crc32, data, self.crc)
-            else:
-                self.crc = zlib.crc32(data, self.crc)
-        try:
-            view = data
-            while view:
-                view = view[os.write(self.fd, view) :]
-        except OSError as exc:
-            raise write_error(exc, self.path, what or f"tensor {self.tensor!r}") from exc
-        finally:
-            if future is not None:
-                self.crc = future.result()
-        _start_writeback(self.fd, self.size, len(data))
+        """Write bytes now, in order after everything before (the header, a small file's data)."""
+        for future in self._submit(data, None, what=what):
+            self._result(future)
+
+    def _submit(self, data: memoryview, event, *, what: str | None = None) -> list[Future]:
+        """Queue `data` for the next offset; returns its write and checksum jobs."""
+        offset, what = self.size, what or f"tensor {self.tensor!r}"
         self.size += len(data)
+        jobs = [_writers().submit(_write_at, self.fd, data, offset, event, self.path, what)]
+        if self.checksums:
+            self._crc_done = _crc_thread().submit(_extend_crc, self, data, event, self._crc_done)
+            jobs.append(self._crc_done)
+        return jobs
+
+    def _wait_buffer(self, index: int) -> None:
+        for future in self._busy.pop(index, []):
+            self._result(future)
+
+    def _result(self, future: Future) -> None:
+        try:
+            future.result()
+        except BaseException:
+            self._drain()  # no job may still write into this file or read a buffer after the error
+            raise
+
+    def _drain(self) -> None:
+        for future in [f for jobs in self._busy.values() for f in jobs] + self._direct:
+            future.exception()  # waits; the first error is the one raised
+        self._busy.clear()
+        self._direct.clear()
 
     def finish(self) -> dict:
         self._flush_staged()
+        for index in list(self._busy):
+            self._wait_buffer(index)
+        for future in self._direct:
+            self._result(future)
+        self._direct.clear()
         try:
             os.fsync(self.fd)
         except OSError as exc:
             raise write_error(exc, self.path, "the end of the file") from exc
-        return {"size": self.size, "crc32": f"{self.crc:08x}" if self.checksums else None}
+        return {"size": self.size, "crc32c": f"{self.crc:08x}" if self.checksums else None}
 
     def close(self) -> None:
+        self._drain()
         os.close(self.fd)
 
 
-_crc_pool: ThreadPoolExecutor | None = None
+def _write_at(fd: int, data: memoryview, offset: int, event, path: Path, what: str) -> None:
+    if event is not None:
+        event.synchronize()
+    try:
+        view, at = data, offset
+        while view:
+            written = os.pwrite(fd, view, at)
+            view, at = view[written:], at + written
+    except OSError as exc:
+        raise write_error(exc, path, what) from exc
+    _start_writeback(fd, offset, len(data))
+
+
+def _extend_crc(sink: ShardFile, data: memoryview, event, previous: Future | None) -> None:
+    # The single checksum thread runs jobs in submission order, i.e. in file order.
+    if previous is not None:
+        previous.result()
+    if event is not None:
+        event.synchronize()
+    sink.crc = crc32c.crc32c(data, sink.crc)
+
+
+_pools: dict[str, ThreadPoolExecutor] = {}
+
+
+def _writer_threads() -> int:
+    # Writes into the page cache scale with cores (tmpfs, a fast disk); more than 4 buys little.
+    return max(1, min(4, (os.cpu_count() or 1) - 1))
+
+
+def _writers() -> ThreadPoolExecutor:
+    if "write" not in _pools:
+        _pools["write"] = ThreadPoolExecutor(max_workers=_writer_threads(), thread_name_prefix="pwrite")
+    return _pools["write"]
 
 
 def _crc_thread() -> ThreadPoolExecutor:
-    # One thread, so a file's chunks are summed in order; zlib.crc32 releases the GIL on large buffers.
-    global _crc_pool
-    if _crc_pool is None:
-        _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crc32")
-    return _crc_pool
+    # One thread, so a file's chunks are summed in order; crc32c releases the GIL on large buffers.
+    if "crc" not in _pools:
+        _pools["crc"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crc32c")
+    return _pools["crc"]
 
 
 @functools.cache

@@ -32,11 +32,12 @@ Guarantees:
   what dead writers left.
 - Durable: one fsync per file, one for the new directory, one for the parent.
 - The manifest (`manifest.json`) is the last file written: step, content_id, dtype, bytes, and for
-  each other file its size and crc32 (computed on the chunks as they are written, no extra read).
+  each other file its size and crc32c (computed on the chunks as they are written, no extra read).
   `verify` checks the sizes (cheap), and with checksums=True reads everything back.
 - Streaming (safetensors_stream): tensors go from their device to the file in chunks of
-  chunk_bytes (CUDA tensors cast on the device, through two pinned host buffers in turn); the
-  crc32 and the kernel's writeback overlap the writes, so the final fsync waits only for the tail.
+  chunk_bytes (CUDA tensors cast on the device, through pinned host buffers, written by several
+  threads at their offsets); the crc32c and the kernel's writeback overlap the writes, so the
+  final fsync waits only for the tail.
 - Bad input is refused before anything is written when it is known up front (a non-floating-point
   dtype, a non-contiguous tensor of a mapping, a missing config.json), otherwise when the tensor
   arrives; the error names the tensor and what to do. A failed write (a full disk: ENOSPC, EFBIG,
@@ -69,7 +70,7 @@ from protocol.fsio import fsync_dir
 from .atomic_dir import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: publish names partials with it
 from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
 from .model import Distributed
-from .safetensors_stream import SAFETENSORS_DTYPES, Buffers, ShardFile, file_crc32, header, write_small
+from .safetensors_stream import CHECKSUMS, SAFETENSORS_DTYPES, Buffers, ShardFile, file_checksum, header, write_small
 
 MANIFEST = "manifest.json"
 SINGLE_FILE = "model.safetensors"
@@ -140,7 +141,7 @@ class Written:
     content_id: str
     bytes: int  # every file but the manifest
     seconds: float  # from the call to the rename into place, on rank 0
-    files: dict  # name -> {"size", "crc32"}, as in the manifest
+    files: dict  # name -> {"size", "crc32c"}, as in the manifest
 
 
 def serving_dtype(device: torch.device | str) -> torch.dtype | None:
@@ -331,7 +332,7 @@ def verify(path: Path, *, checksums: bool = False) -> dict:
     """Check a weights directory against its manifest; returns the manifest.
 
     Every listed file must exist with its recorded size, and every safetensors file present must be
-    listed; with checksums=True each file is read back and its crc32 compared (files written with
+    listed; with checksums=True each file is read back and its checksum compared (files written with
     checksums=False have none: their size alone is checked). Raises WeightsCorrupt."""
     path = Path(path)
     try:
@@ -355,9 +356,11 @@ def verify(path: Path, *, checksums: bool = False) -> dict:
             ) from exc
         if size != entry["size"]:
             raise WeightsCorrupt(f"{path}: {name} has {size} bytes, the manifest says {entry['size']}; write it again")
-        crc = entry["crc32"]
-        if checksums and crc is not None and file_crc32(path / name, DEFAULT_CHUNK_BYTES) != int(crc, 16):
-            raise WeightsCorrupt(f"{path}: {name} does not match its crc32 in {MANIFEST}; write it again")
+        algorithm = manifest.get("checksum")
+        recorded = entry.get(algorithm) if algorithm in CHECKSUMS else None
+        if checksums and recorded is not None:
+            if file_checksum(path / name, DEFAULT_CHUNK_BYTES, algorithm) != int(recorded, 16):
+                raise WeightsCorrupt(f"{path}: {name} does not match its {algorithm} in {MANIFEST}; write it again")
     return manifest
 
 
@@ -473,7 +476,7 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
             "base_model": str(base_model),
             "dtype": str(target).removeprefix("torch."),
             "bytes": total_bytes,
-            "checksum": "crc32" if checksums else None,
+            "checksum": "crc32c" if checksums else None,
             "files": files,
             "write_seconds": round(time.monotonic() - started, 6),
             "created_at": time.time(),
