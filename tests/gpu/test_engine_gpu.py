@@ -114,7 +114,7 @@ def test_in_place_reload_serves_the_new_tensors_in_the_same_process(engine, mode
     # Every tensor the engine holds under a checkpoint name (fused ones have other names) equals the file's.
     shapes = engine.probe("parameter_sizes")
     expected = file_sums(models["b"], set(shapes), torch.float32)
-    actual = engine.probe("parameter_sums", {name: shapes[name][0] for name in expected})
+    actual = engine.probe("parameter_sums", {name: [(0, shapes[name][0])] for name in expected})
     assert len(expected) >= 4 and set(actual) == set(expected)
     for name, want in expected.items():
         assert math.isclose(actual[name], want, rel_tol=1e-5, abs_tol=1e-5), (name, actual[name], want)

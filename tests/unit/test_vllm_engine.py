@@ -222,3 +222,21 @@ def test_the_engine_process_logs_at_the_worker_level(engine, models):
     finally:
         logging.getLogger("rollout_svc").setLevel(logging.NOTSET)
     assert FakeHost.started[0].env["ROLLOUT_LOG_LEVEL"] == "WARNING"
+
+
+@pytest.mark.parametrize("shape", [[151936, 1536], [8960, 1536], [1536], [64, 128], [3], [1 << 20]])
+def test_the_reload_check_sums_row_blocks_spread_over_each_tensor(shape):
+    """From the first rows to the last, never past the tensor, a bounded count of values; small
+    tensors are summed whole."""
+    from rollout_svc.engines.vllm_host import PROBE_BLOCK_ELEMENTS, PROBE_BLOCKS, probe_blocks
+
+    rows, per_row = shape[0], (shape[1] if len(shape) > 1 else 1)
+    blocks = probe_blocks(shape)
+    assert blocks[0][0] == 0 and blocks[-1][1] == rows
+    assert all(0 <= a < b <= rows for a, b in blocks) and blocks == sorted(blocks)
+    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(blocks, blocks[1:], strict=False))  # no row summed twice
+    if rows * per_row <= PROBE_BLOCKS * PROBE_BLOCK_ELEMENTS:
+        assert blocks == [(0, rows)]
+    else:
+        assert len(blocks) == PROBE_BLOCKS
+        assert all((b - a) * per_row <= PROBE_BLOCK_ELEMENTS for a, b in blocks)

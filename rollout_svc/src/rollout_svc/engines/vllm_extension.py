@@ -15,13 +15,13 @@ class WeightProbe:
         parameter empty; those are left out, as they cannot be compared with a file."""
         return {name: list(p.shape) for name, p in self.model_runner.model.named_parameters() if p.numel() > 0}
 
-    def parameter_sums(self, rows_by_name: dict[str, int]) -> dict[str, float]:
-        """Float64 sum of the first `rows` rows of each named parameter (the engine may pad a
-        vocabulary dimension beyond the checkpoint's rows)."""
+    def parameter_sums(self, blocks_by_name: dict[str, list[tuple[int, int]]]) -> dict[str, float]:
+        """Float64 sum of the given [start, stop) row blocks of each named parameter (blocks lie
+        within the checkpoint's rows: the engine may pad a vocabulary dimension beyond them)."""
         params = dict(self.model_runner.model.named_parameters())
         return {
-            name: float(params[name].detach()[:rows].double().sum().item())
-            for name, rows in rows_by_name.items()
+            name: sum(float(params[name].detach()[a:b].double().sum().item()) for a, b in blocks)
+            for name, blocks in blocks_by_name.items()
             if name in params and params[name].numel() > 0
         }
 
