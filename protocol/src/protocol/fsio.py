@@ -30,6 +30,9 @@ def write_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:
             view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)
+    except BaseException:
+        os.unlink(path)  # a full disk leaves no partial file behind: nobody could use it
+        raise
     finally:
         os.close(fd)
 

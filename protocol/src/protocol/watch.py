@@ -79,24 +79,27 @@ class Waker:
     def __init__(self, directories: list[Path], *, poll: bool | None = None, poll_interval_s: float = 1.0):
         self.directories = [Path(d) for d in directories]
         self.polling = any(needs_polling(d) for d in self.directories) if poll is None else poll
+        self.poll_interval_s = poll_interval_s
         self._event = threading.Event()
-        if self.polling:
-            self._observer = PollingObserver(timeout=poll_interval_s)
-        else:
-            self._observer = Observer()
+        self._observer = None
+
+    def _observer_for(self, polling: bool):
+        observer = PollingObserver(timeout=self.poll_interval_s) if polling else Observer()
         for directory in self.directories:
-            self._observer.schedule(_Wake(self._event), os.fspath(directory), recursive=False)
+            observer.schedule(_Wake(self._event), os.fspath(directory), recursive=False)
+        return observer
 
     def __enter__(self) -> Waker:
-        try:
-            self._observer.start()
-        except OSError as exc:  # inotify limits reached, or no inotify: poll instead
-            log.warning("file events unavailable (%s); polling %s", exc, self.directories)
-            self._observer = PollingObserver()
-            for directory in self.directories:
-                self._observer.schedule(_Wake(self._event), os.fspath(directory), recursive=False)
-            self._observer.start()
-            self.polling = True
+        if not self.polling:
+            try:  # watchdog opens the inotify instance in Observer() or at start(), by version
+                self._observer = self._observer_for(polling=False)
+                self._observer.start()
+                return self
+            except OSError as exc:  # inotify limits reached, or no inotify: poll instead
+                log.warning("file events unavailable (%s); polling %s", exc, [str(d) for d in self.directories])
+                self.polling = True
+        self._observer = self._observer_for(polling=True)
+        self._observer.start()
         return self
 
     def __exit__(self, *exc) -> None:

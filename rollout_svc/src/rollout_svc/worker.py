@@ -12,7 +12,8 @@ Exit paths (protocol.exit_codes): SIGTERM or SIGINT let the batch in hand finish
 `stop_grace_s`, then give its claims back, and exit OK (0; a second signal gives them back at
 once); `idle_exit_s` without a request exits OK and frees the device; a failed heartbeat exits
 INTERNAL_ERROR (1) without publishing (another worker serves the claims once the lease runs
-out); weights that cannot be preloaded exit USAGE (2).
+out); weights that cannot be preloaded exit USAGE (2); a spool write that fails (a full disk)
+gives back the claims without a published result and exits CANNOT_WRITE (74).
 
 Each result's timings say what its engine call spent loading weights: seconds and bytes of
 weight files (0 and 0 when they were already loaded). The worker counts into the status file's
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = exit_codes.OK
 EXIT_HEARTBEAT_LOST = exit_codes.INTERNAL_ERROR  # systemd restarts it; others serve its claims
 EXIT_PRELOAD_FAILED = exit_codes.USAGE
+EXIT_CANNOT_WRITE = exit_codes.CANNOT_WRITE  # a full disk: results cannot be published, claims given back
 
 
 @dataclass
@@ -119,6 +121,10 @@ class Worker:
         self.notifier.stopping()
         if self._in_engine:
             signal.alarm(max(1, int(self.config.stop_grace_s)))
+            log.warning(
+                "stop requested: the batch in hand has %.0f s (--stop-grace) to finish; a second signal gives it back",
+                self.config.stop_grace_s,
+            )
         if self._waker is not None:
             self._waker.poke()
 
@@ -138,6 +144,8 @@ class Worker:
             if self.config.preload and not self._preload(self.config.preload):
                 return EXIT_PRELOAD_FAILED
             with Waker([self.spool.requests], poll=self.config.poll) as self._waker:
+                how = "polling" if self._waker.polling else "file events"
+                log.info("new requests found by %s and a rescan every %.1f s", how, self.config.rescan_s)
                 self.heartbeat.set_state("idle")
                 self.notifier.ready(self._describe())
                 return self._loop()
@@ -200,11 +208,40 @@ class Worker:
     # -- one batch -------------------------------------------------------------------------------
 
     def _serve_batch(self, entries) -> int | None:
+        claims: list[Claim] = []
+        try:
+            return self._serve_claims(entries, claims)
+        except OSError as exc:
+            return self._cannot_write(exc, claims)
+
+    def _cannot_write(self, exc: OSError, claims: list[Claim]) -> int:
+        """A spool write failed (a full disk: ENOSPC, EDQUOT, EFBIG). Claims whose result is
+        published are archived, the others go back to requests/ for a worker that can write, and
+        the worker exits: serving on would only repeat the failure."""
+        given_back = 0
+        for claim in claims:
+            if not self.spool.holds(claim):
+                continue
+            published = self.spool.read_result(claim.request_id) if claim.request_id is not None else None
+            if published is not None:
+                self.spool.finish(claim, rejected=not published.ok and published.error.code.rejects_input)
+            else:
+                self.spool.release(claim)
+                given_back += 1
+        self.heartbeat.count(requests_abandoned=given_back)
+        log.error(
+            "cannot write to the spool %s: %s; gave back %d requests. Free space on its filesystem, then restart",
+            self.spool.root, exc, given_back,
+        )  # fmt: skip
+        return EXIT_CANNOT_WRITE
+
+    def _serve_claims(self, entries, claims: list[Claim]) -> int | None:
         jobs: list[_Job] = []
         for entry in entries:
             claim = self.spool.claim(entry, self.config.worker_id)
             if claim is None:
                 continue  # another worker was faster
+            claims.append(claim)
             job = self._accept(claim)
             if job is not None:
                 jobs.append(job)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -81,6 +82,10 @@ def train(
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except (RolloutUnavailable, RolloutFailed) as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise _fail(exit_codes.CANNOT_WRITE, _full_disk_message(exc, cfg)) from None
     if code == exit_codes.OK:
         import json
 
@@ -97,6 +102,18 @@ def train(
     from .run import exit_process
 
     exit_process(code)
+
+
+def _full_disk_message(exc: OSError, cfg) -> str:
+    from .checkpoint import latest
+
+    where = f" ({exc.filename})" if exc.filename else ""
+    newest = latest(cfg.run_dir)
+    resume = f"checkpoint step {newest.step}" if newest else "the start (no checkpoint yet)"
+    return (
+        f"a write failed{where}: {exc.strerror or exc}. The disk holding {cfg.run_dir} or {cfg.publish_dir} is full "
+        f"or over quota; nothing half written was kept. Free space, then relaunch: the run resumes from {resume}"
+    )
 
 
 @app.command()
