@@ -29,6 +29,22 @@ class Batch:
     def select(self, index: slice) -> Batch:
         return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def trimmed(self) -> Batch:
+        """The same sequences without the padding columns no sequence of this batch reaches
+        (a step's batch is padded to its longest sequence; a micro-batch's may be shorter).
+        Right padding and causal attention: the real tokens' logits do not change."""
+        width = max(int(self.attention_mask.sum(dim=1).max()), 2)
+        if width >= self.input_ids.shape[1]:
+            return self
+        return Batch(
+            self.input_ids[:, :width],
+            self.attention_mask[:, :width],
+            self.targets[:, : width - 1],
+            self.mask[:, : width - 1],
+            self.rollout_logprobs[:, : width - 1],
+            self.advantages,
+        )
+
     def to(self, device: torch.device) -> Batch:
         return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 

@@ -54,17 +54,19 @@ class StepTotals:
 
 
 def sequence_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`."""
+    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`. The entropy is
+    a statistic: computed without a graph, so its [N, L-1, V] intermediates are freed at once
+    instead of living until the backward pass."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    return grpo.token_logprobs(logits, batch.targets, temperature), grpo.entropy(logits, temperature)
+    logp = grpo.token_logprobs(logits, batch.targets, temperature)
+    with torch.no_grad():
+        entropy = grpo.entropy(logits.detach(), temperature)
+    return logp, entropy
 
 
 @torch.no_grad()
-def old_logprobs(model, batch: Batch, cfg: Config) -> torch.Tensor:
-    parts = [
-        sequence_logprobs(model, mb, cfg.rollout.temperature)[0] for mb in micro_batches(batch, cfg.train.grad_accum)
-    ]
-    return torch.cat(parts)
+def old_logprobs(model, micro: list[Batch], cfg: Config) -> list[torch.Tensor]:
+    return [sequence_logprobs(model, mb, cfg.rollout.temperature)[0] for mb in micro]
 
 
 def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distributed) -> dict:
@@ -82,16 +84,20 @@ def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distri
 def train_step(
     model, reference, optimizer, scheduler, batch: Batch, totals: StepTotals, cfg: Config, dist_info: Distributed
 ) -> dict:
-    """Update the policy on `batch` (this rank's share); returns the step's statistics."""
+    """Update the policy on `batch` (this rank's share); returns the step's statistics.
+
+    The old policy's logprobs (the ratio's denominator) are those of the model before this
+    update. The whole batch is one update, so the model does not change until every
+    micro-batch has been through it: each micro-batch's own logprobs, detached, ARE the old
+    ones, and no separate forward pass is needed (it cost a quarter of the step's compute)."""
     model.train()
-    old = old_logprobs(model, batch, cfg)
-    ref = old_logprobs(reference, batch, cfg) if reference is not None else None
+    micro = [mb.trimmed() for mb in micro_batches(batch, cfg.train.grad_accum)]
+    ref = old_logprobs(reference, micro, cfg) if reference is not None else None
     scale = grpo.rank_scale(dist_info.world_size)
     sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "weight": 0.0}
-    offset = 0
-    for mb in micro_batches(batch, cfg.train.grad_accum):
-        rows = slice(offset, offset + len(mb))
-        offset += len(mb)
+    sums |= {"tokens": 0.0, "mismatch": 0.0}
+    mismatch_max = 0.0
+    for i, mb in enumerate(micro):
         weights = grpo.token_weights(
             mb.mask,
             cfg.loss.denominator,
@@ -100,27 +106,27 @@ def train_step(
             max_tokens=cfg.rollout.max_tokens,
         )
         logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature)
-        loss, stats = grpo.clipped_policy_loss(
-            logp, old[rows], mb.advantages, weights, cfg.loss.clip_low, cfg.loss.clip_high
-        )
+        old = logp.detach()
+        loss, stats = grpo.clipped_policy_loss(logp, old, mb.advantages, weights, cfg.loss.clip_low, cfg.loss.clip_high)
         if ref is not None:
-            kl = grpo.kl_penalty(logp, ref[rows], weights, 1.0)
+            kl = grpo.kl_penalty(logp, ref[i], weights, 1.0)
             loss = loss + cfg.loss.kl_coef * kl
             sums["kl"] += float(kl)
         (loss * scale).backward()
+        tokens = float(mb.mask.sum())
+        mismatch = (old - mb.rollout_logprobs).abs() * mb.mask
         sums["loss"] += float(loss.detach())
-        sums["entropy"] += float((weights * entropy.detach()).sum())
+        sums["entropy"] += float((weights * entropy).sum())
         sums["weight"] += float(weights.sum())
-        sums["clip_low"] += float(stats["clip_fraction_low"]) * float(mb.mask.sum())
-        sums["clip_high"] += float(stats["clip_fraction_high"]) * float(mb.mask.sum())
+        sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
+        sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
+        sums["tokens"] += tokens
+        sums["mismatch"] += float(mismatch.sum())
+        mismatch_max = max(mismatch_max, float(mismatch.max()) if tokens else 0.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    mismatch = (old - batch.rollout_logprobs).abs() * batch.mask
-    sums["tokens"] = float(batch.mask.sum())
-    sums["mismatch"] = float(mismatch.sum())
-    mismatch_max = float(mismatch.max()) if batch.mask.any() else 0.0
     if dist_info.world_size > 1:  # every rank reports the whole step, so every rank judges it alike
         sums, mismatch_max = _over_ranks(sums, mismatch_max, dist_info.device)
     tokens = max(sums["tokens"], 1.0)

@@ -1,0 +1,208 @@
+"""The trainer's GRPO step on one GPU at a real shape: tokens per second and model FLOPs
+utilisation (MFU) against the card's bf16 peak.
+
+    python bench/trainer_mfu.py [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
+                                [--completion-tokens 768] [--micro 8,16] [--steps 3] [--json OUT]
+
+A Qwen2.5-shaped model (config only, random weights, bf16 on the GPU) takes trainer_svc's own
+optimizer step (`train_step.train_step`: the clipped GRPO loss over micro-batches, gradient
+clipping, AdamW) on a synthetic step of `--sequences` sequences, each a prompt and a completion of
+random tokens; completion lengths vary from half to all of `--completion-tokens`, as sampled
+completions do. Measured for each micro-batch size, with and without activation checkpointing,
+after one warm-up step: seconds per step, tokens per second (real tokens, padding not counted),
+and MFU.
+
+Model FLOPs per step (what the step must compute, whatever it recomputes): for each sequence of
+S tokens, 6 x N_matmul x S (forward and backward of every weight matrix, the output projection to
+the vocabulary included) plus 6 x layers x hidden x S^2 (causal attention: QK^T and AV, forward and
+backward, half the square). Activation checkpointing's recomputation is not counted, by the
+usual definition of MFU. Peak: the H200's dense bf16 figure, 989.4 TFLOP/s (NVIDIA's data sheet;
+a matmul-only microbenchmark reaches about 790 there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
+
+PEAK_BF16_FLOPS = 989.4e12
+TARGET_MFU = 0.40
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script only
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_model(shape: str, checkpointing: bool):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device()):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def matmul_parameters(model) -> int:
+    """Weights that take part in a matrix product per token: every 2-D weight of the decoder
+    layers, and the output projection (vocabulary x hidden, tied or not); not the embedding lookup."""
+    layers = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    return layers + model.lm_head.weight.numel()
+
+
+def synthetic_step(args, seed: int):
+    """Groups of random prompts and completions (lengths from half to all of the maximum)."""
+    import torch
+
+    from trainer_svc.rollout import Group, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    per_group = 8
+    for _ in range(args.sequences // per_group):
+        prompt = torch.randint(3, VOCAB, (args.prompt_tokens,), generator=g).tolist()
+        samples = []
+        for _ in range(per_group):
+            length = int(torch.randint(args.completion_tokens // 2, args.completion_tokens + 1, (1,), generator=g))
+            tokens = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+            samples.append(Sample(tokens, [-12.0] * length, "", "length"))
+        groups.append(Group(prompt, samples))
+    advantages = torch.randn(len(groups), per_group, generator=g)
+    return groups, advantages
+
+
+def step_flops(batch, n_matmul: int, layers: int, hidden: int) -> float:
+    lengths = batch.attention_mask.sum(dim=1).double()
+    return float((6 * n_matmul * lengths + 6 * layers * hidden * lengths**2).sum())
+
+
+def run(args, checkpointing: bool, micro: int) -> dict:
+    import msgspec
+    import torch
+
+    from trainer_svc.batch import collate
+    from trainer_svc.config import Config
+    from trainer_svc.model import Distributed
+    from trainer_svc.train_step import StepTotals, make_optimizer, make_scheduler, train_step
+
+    cfg = msgspec.convert(
+        {
+            "run": {"dir": "unused"},
+            "model": {"path": "unused", "dtype": "bfloat16", "activation_checkpointing": checkpointing},
+            "rollout": {"max_tokens": args.completion_tokens, "temperature": 1.0},
+            "train": {"steps": 1000, "grad_accum": args.sequences // micro},
+        },
+        Config,
+    )
+    model = make_model(args.shape, checkpointing)
+    optimizer, dist_info = make_optimizer(model, cfg), Distributed(0, 1, torch.device(device()))
+    scheduler = make_scheduler(optimizer, cfg)
+    shape = SHAPES[args.shape]
+    n_matmul = matmul_parameters(model)
+    seconds, tokens, flops = [], [], []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps + 1):  # the first one warms up
+        groups, advantages = synthetic_step(args, seed=step)
+        batch = collate(groups, advantages, pad_id=0).to(dist_info.device)
+        totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
+        synchronize()
+        started = time.perf_counter()
+        train_step(model, None, optimizer, scheduler, batch, totals, cfg, dist_info)
+        synchronize()
+        if step:
+            seconds.append(time.perf_counter() - started)
+            tokens.append(int(batch.attention_mask.sum()))
+            flops.append(step_flops(batch, n_matmul, shape["num_hidden_layers"], shape["hidden_size"]))
+    s = statistics.median(seconds)
+    row = {
+        "activation_checkpointing": checkpointing,
+        "micro_batch": micro,
+        "step_s": round(s, 3),
+        "tokens_per_s": round(statistics.median(t / x for t, x in zip(tokens, seconds, strict=True))),
+        "mfu": round(statistics.median(f / x for f, x in zip(flops, seconds, strict=True)) / PEAK_BF16_FLOPS, 4),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
+        "steps_s": [round(x, 3) for x in seconds],
+    }
+    del model, optimizer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--completion-tokens", type=int, default=768)
+    parser.add_argument("--micro", default="8,16", help="sequences per micro-batch, comma-separated")
+    parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    import torch
+
+    rows = []
+    for checkpointing in [c == "on" for c in args.checkpointing.split(",")]:
+        for micro in [int(m) for m in args.micro.split(",")]:
+            try:
+                rows.append(run(args, checkpointing, micro))
+            except torch.cuda.OutOfMemoryError:
+                rows.append({"activation_checkpointing": checkpointing, "micro_batch": micro, "error": "out of memory"})
+                torch.cuda.empty_cache()
+            say(json.dumps(rows[-1]))
+    data = {
+        "benchmark": "trainer_mfu",
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "step": f"{args.sequences} sequences: {args.prompt_tokens} prompt + "
+        f"{args.completion_tokens // 2}..{args.completion_tokens} completion tokens",
+        "peak_flops": PEAK_BF16_FLOPS,
+        "target_mfu": TARGET_MFU,
+        "rows": rows,
+    }
+    print("| checkpointing | micro-batch | step s | tokens/s | MFU | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['activation_checkpointing']} | {r['micro_batch']} | {r['error']} | | | |")
+        else:
+            print(
+                f"| {r['activation_checkpointing']} | {r['micro_batch']} | {r['step_s']} | {r['tokens_per_s']:,} | "
+                f"{r['mfu']:.1%} | {r['peak_memory_gib']} |"
+            )
+    print(json.dumps(data))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data) + "\n")
+
+
+if __name__ == "__main__":
+    main()
