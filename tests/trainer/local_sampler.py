@@ -1,12 +1,16 @@
 """A deterministic stand-in for the rollout service, for trainer tests that need exact
 repeatability (resume, rank splits): samples with transformers from the named weights, seeded
-by the request's seed, and reports the sampling logprobs as the engine would."""
+by the request's seed, and reports the sampling logprobs as the engine would.
+
+`submit` only records the call (in `submitted`); `collect` samples it then, through `sample`, so
+subclasses that change `sample` change both paths. A ticket restored after a relaunch samples the
+same groups as the original would have."""
 
 from __future__ import annotations
 
 import torch
 
-from trainer_svc.rollout import Group, Sample
+from trainer_svc.rollout import Group, Sample, Ticket
 
 
 class TorchSampler:
@@ -14,6 +18,9 @@ class TorchSampler:
         self.cfg = cfg
         self._cache: dict[tuple[str, str | None], tuple] = {}
         self.requests: list[dict] = []
+        self.submitted: list[Ticket] = []
+        self.restored: list[Ticket] = []
+        self.closed = False
 
     def _load(self, weights_dir: str, content_id: str | None):
         key = (weights_dir, content_id)
@@ -57,5 +64,30 @@ class TorchSampler:
             groups.append(Group(prompt_ids, samples))
         return groups
 
+    def submit(self, prompts, *, weights, step, attempt, seed, n=None, temperature=None, tag="train") -> Ticket:
+        ticket = Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag, (len(prompts),))
+        self.submitted.append(ticket)
+        return ticket
+
+    def restore(self, ticket: Ticket) -> None:
+        self.restored.append(ticket)
+
+    def collect(self, ticket: Ticket) -> list[Group]:
+        groups = self.sample(
+            list(ticket.prompts),
+            weights_dir=ticket.weights.dir,
+            content_id=ticket.weights.content_id,
+            step=ticket.step,
+            attempt=ticket.attempt,
+            seed=ticket.seed,
+            n=ticket.n,
+            temperature=ticket.temperature,
+            tag=ticket.tag,
+        )
+        for group in groups:
+            group.weights_step = ticket.weights_step
+        return groups
+
     def close(self) -> None:
+        self.closed = True
         self._cache.clear()

@@ -348,7 +348,6 @@ def spawned_worker_gpus(cfg, tmp_path, world_size: int = 2, cuda_devices: int = 
     venv, record = fake_rollout_venv(tmp_path)
     service = RolloutService(
         replace(cfg, rollout={"spawn": True, "rollout_venv": str(venv)}),
-        launch_id="t",
         world_size=world_size,
         cuda_devices=cuda_devices,
     )
@@ -410,7 +409,7 @@ def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_when_idle
     shared = replace(
         cfg, rollout={"spawn": True, "colocate": True, "colocate_gpu_memory": 0.25, "rollout_venv": str(venv)}
     )
-    service = RolloutService(shared, launch_id="t", world_size=1, cuda_devices=1)
+    service = RolloutService(shared, world_size=1, cuda_devices=1)
     try:
         assert service.proc.wait(timeout=30) == 0
     finally:
@@ -498,8 +497,20 @@ def test_cli_train_with_an_indivisible_batch_exits_3(warm_model, tmp_path):
     assert not (tmp_path / "run" / gates.RECEIPT).exists()  # the config gate runs first
 
 
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # exited meanwhile
+    return pids
+
+
 @pytest.mark.skipif(not (ROLLOUT_VENV / "bin" / "rollout-svc").exists(), reason="needs the rollout venv")
-def test_cli_train_refused_by_the_ceiling_starts_no_worker(warm_model, tmp_path):
+def test_cli_train_refused_by_the_ceiling_stops_the_worker_it_started(warm_model, tmp_path):
     rows = tmp_path / "halves.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}/2=", "gold": f"{i}.5"}) + "\n" for i in range(1, 20, 2)))
     path = write_config(
@@ -515,4 +526,7 @@ def test_cli_train_refused_by_the_ceiling_starts_no_worker(warm_model, tmp_path)
         "launch gate 'ceiling' refused the run" in result.output and "a perfect policy would score 0%" in result.output
     )
     assert receipt_on_disk(tmp_path / "run")["n"] == 10
-    assert_nothing_started(tmp_path / "run")
+    # The worker starts before the gates (its engine start overlaps them); the refusal stopped it.
+    run_dir = tmp_path / "run"
+    assert (run_dir / "rollout-worker.log").exists() and processes_naming(str(run_dir / "spool")) == []
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()

@@ -200,18 +200,20 @@ def test_the_tripwire_state_survives_a_resume(warm_model, tmp_path):
     assert without_timings(metrics(interrupted.run_dir)) == without_timings(metrics(straight.run_dir))
     assert (step_dir(interrupted.run_dir, fired) / ckpt.PINNED_FILE).read_text().strip() == expected["reason"]
 
-    # Relaunching a fired run exits 4 at once: nothing sampled, trained, saved or logged.
+    # Relaunching a fired run exits 4 at once: nothing sampled, trained, saved or logged. (Its
+    # sampler is made before the checkpoint is read, as a spawned worker starts early, and unused.)
     before = (
         (interrupted.run_dir / "metrics.jsonl").read_bytes(),
         checkpoints(interrupted.run_dir),
-        len(launcher.samplers),
+        len(launcher.calls("train")),
     )
     assert train(interrupted, make_sampler=launcher) == exit_codes.TRIPWIRE
     assert (
         (interrupted.run_dir / "metrics.jsonl").read_bytes(),
         checkpoints(interrupted.run_dir),
-        len(launcher.samplers),
+        len(launcher.calls("train")),
     ) == before
+    assert not launcher.samplers[-1].calls and not launcher.samplers[-1].submitted
     again = stage_result(interrupted.run_dir)
     assert again["exit_code"] == exit_codes.TRIPWIRE and again["collapse_tripwire"]["reason"] == expected["reason"]
     assert again["banner"]["resumed_from"] == str(step_dir(interrupted.run_dir, fired))
@@ -402,4 +404,6 @@ def test_band_file_is_made_from_the_starting_model_and_refused_for_another(warm_
         train(other, make_sampler=launcher)
     assert info.value.gate == "band" and info.value.exit_code == exit_codes.GATE_REFUSED
     assert f"banded on {model}" in str(info.value) and f"starts from {os.path.realpath(tiny_model)}" in str(info.value)
-    assert launcher.samplers == [] and not (other.run_dir / "checkpoints").exists()
+    # its sampler (started before the gates, as a spawned worker is) was closed unused
+    assert [(s.closed, s.calls, s.submitted) for s in launcher.samplers] == [(True, [], [])]
+    assert not (other.run_dir / "checkpoints").exists()

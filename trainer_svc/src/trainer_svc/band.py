@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
     if own_sampler:
         from .rollout import RolloutService
 
-        sampler = RolloutService(cfg, launch_id=secrets.token_hex(3))
+        sampler = RolloutService(cfg)
     verifier = Verifier()
     rows, counts = [], {"never": 0, "band": 0, "always": 0}
     model = os.path.realpath(cfg.model.path)

@@ -10,7 +10,7 @@ sync is separate: weight_sync publishes the weights alone, every step.)
         trainer_state/                                        what a resume needs
             optimizer.pt      torch.save of tensors only, read back with weights_only=True
             rng.safetensors   torch RNG states
-            state.json        step, scheduler, data cursor, counters, tripwire
+            state.json        step, scheduler, data cursor, counters, tripwire, requests in flight
 
 It is written into a hidden sibling and renamed into place, so a resume never sees half a
 checkpoint; the weights are an HF directory (a worker or an eval job can load them too).
@@ -56,6 +56,7 @@ class RunState:
     step: int = 0
     horizon: int | None = None  # train.steps the run was started with (None: a fresh run)
     started_at: float = field(default_factory=time.time)
+    in_flight: list[dict] = field(default_factory=list)  # sampling calls sent, not yet trained on (StepSampler)
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -253,4 +254,12 @@ def restore(run_dir: Path, model, optimizer, scheduler, stream, tripwire, dist_i
     stream.load_state_dict(saved["stream"])
     tripwire.load_state_dict(saved["tripwire"])
     log.info("RESUMED from %s at step %d", found.path, saved["step"])
-    return RunState(step=saved["step"], horizon=saved["horizon"], started_at=saved["started_at"]), found
+    return (
+        RunState(
+            step=saved["step"],
+            horizon=saved["horizon"],
+            started_at=saved["started_at"],
+            in_flight=saved.get("in_flight", []),  # absent from checkpoints of synchronous runs before ahead existed
+        ),
+        found,
+    )

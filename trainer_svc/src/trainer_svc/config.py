@@ -74,8 +74,14 @@ class RolloutConfig(Struct):
     max_tokens: Positive = 4
     temperature: PositiveFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    max_policy_lag: NonNegative = 0  # steps rollouts may lag the trainer (publish.every - 1 allowed)
-    timeout_s: PositiveFloat = 600.0  # longest wait for one step's rollouts
+    # Steps whose requests stay in flight while the current step trains, each sampled from the
+    # newest published weights when sent (so up to `ahead` steps stale); 0: synchronous.
+    ahead: NonNegative = 0
+    # Steps rollouts may lag the trainer: a result older than this is dropped, counted and asked
+    # for again. Must allow ahead + publish.every - 1 (the launch gate checks).
+    max_policy_lag: NonNegative = 0
+    fan_out: NonNegative = 0  # requests per sampling call; 0: one per live worker (at most one per prompt)
+    timeout_s: PositiveFloat = 600.0  # longest wait for one sampling call's results
     no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
     # One GPU for both: the spawned worker shares training rank 0's GPU, takes at most
     # colocate_gpu_memory of it, and sleeps (weights and KV cache freed) while the trainer steps.

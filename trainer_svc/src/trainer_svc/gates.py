@@ -70,13 +70,14 @@ def check_config(cfg: Config, world_size: int) -> None:
             f"into {world_size} ranks (torchrun --nproc_per_node) x train.grad_accum = {t.grad_accum}; change one of "
             f"them so that {world_size * t.grad_accum} divides {sequences}",
         )
-    lag = cfg.publish.every - 1
+    lag = r.ahead + cfg.publish.every - 1
     if lag > r.max_policy_lag:
         raise GateRefused(
             "config",
-            f"publish.every = {cfg.publish.every}: each publish is the weight sync, so rollouts would come from "
-            f"weights up to {lag} steps old, more than rollout.max_policy_lag = {r.max_policy_lag}; "
-            "set publish.every = 1, or raise rollout.max_policy_lag to allow the lag explicitly",
+            f"rollout.ahead = {r.ahead} and publish.every = {cfg.publish.every}: requests sent {r.ahead} steps "
+            f"ahead name weights published every {cfg.publish.every} steps (the weight sync), so rollouts would "
+            f"come from weights up to {lag} steps old, more than rollout.max_policy_lag = {r.max_policy_lag}; "
+            "lower rollout.ahead or publish.every, or raise rollout.max_policy_lag to allow the lag explicitly",
         )
     if not t.max_grad_norm > 0:
         raise GateRefused(

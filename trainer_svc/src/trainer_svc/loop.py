@@ -1,8 +1,9 @@
 """The GRPO run: one short loop over named steps.
 
     for each optimizer step:
-        sample      rank 0 asks the rollout service for G samples of each prompt, scores them,
-                    computes group advantages; every rank gets the result
+        sample      rank 0 collects G samples of each prompt from the rollout service (sent now,
+                    or `rollout.ahead` steps ago), scores them, computes group advantages, and
+                    sends the next steps' requests; every rank gets the result
         learn       clipped policy gradient over grad_accum micro-batches (and ranks), AdamW
         publish     the weights, every `publish.every` steps: the next requests name them (the sync)
         save        a resume checkpoint every `checkpoint.every` steps, and at every stop
@@ -87,6 +88,7 @@ def save(run: Run, pin_reason: str | None = None) -> None:
         "scheduler": run.policy.scheduler.state_dict(),
         "tripwire": run.tripwire.state_dict(),
         "started_at": run.state.started_at,
+        "in_flight": run.sample.state_dict(),  # the stream's cursor is past their prompts
     }
     run.latest = ckpt.save_and_prune(run.cfg, run.state.step, run.policy, trainer_state, run.dist, pin_reason)
 

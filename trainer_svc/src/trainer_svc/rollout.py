@@ -5,21 +5,37 @@ session, preloaded with the starting weights, and tears it down on every exit pa
 trainer's `finally` and `atexit`; SIGKILL of the trainer leaves it to its idle exit). With
 `rollout.spawn = false` it uses the workers already serving the spool (systemd).
 
-A dead spawned worker, or no live worker at all, is an error within seconds, never a hang.
+A sampling call is fanned out: its prompts are split into one request per live worker (their
+status files say how many serve the spool; `rollout.fan_out` fixes the number), at most one per
+prompt, submitted together and gathered. A worker that dies holding one costs a lease: its claim
+goes back to requests/ and another worker serves it. `submit` returns a Ticket, `collect` waits
+for it, so requests can stay in flight while the trainer works (sampling.StepSampler).
+
+Request ids are deterministic: run, tag, step, attempt, part, and a digest of everything the
+request asks (weights and their content id, prompts, seed, sampling settings). The same call
+made again (a relaunch redoing a step) names the same requests, so `submit` and `restore` send
+only those the spool has never seen and use the results already there: nothing is sent twice.
+
+A dead spawned worker, or no live worker at all, is an error within seconds, never a hang; a
+call that is not answered within `rollout.timeout_s` is an error naming each request and where
+it stands (queued, claimed by whom, done).
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import logging
 import os
 import signal
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
+from protocol.spool import Spool, id_from_name, split_claimed_name
 
 from .config import Config
 from .gates import rollout_gpu
@@ -37,6 +53,16 @@ class RolloutFailed(RuntimeError):
     """A worker answered with an error result."""
 
 
+@dataclass(frozen=True)
+class WeightsRef:
+    """The weights a request names: a directory, its content id, and the step that wrote them
+    (None for the starting model)."""
+
+    dir: str
+    content_id: str | None = None
+    step: int | None = None
+
+
 @dataclass
 class Sample:
     token_ids: list[int]
@@ -51,10 +77,68 @@ class Group:
 
     prompt_ids: list[int]
     samples: list[Sample]
+    weights_step: int = 0  # the published weights step the samples came from (0: the starting model)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One sampling call, sent and not yet collected: what it asks, of which weights, and the
+    spool requests that carry it (empty for samplers that do not use the spool). Plain data, so
+    a checkpoint can keep the calls in flight (`state_dict`, `from_state`)."""
+
+    prompts: tuple[str, ...]
+    weights: WeightsRef
+    step: int  # the optimizer step whose batch it samples
+    attempt: int  # 0: the step's first sampling; k: its k-th dead-group retry
+    seed: int
+    n: int | None = None  # samples per prompt; None: rollout.samples_per_prompt
+    temperature: float | None = None  # None: rollout.temperature
+    tag: str = "train"
+    parts: tuple[int, ...] = ()  # prompts per request, in order
+    request_ids: tuple[str, ...] = ()
+
+    @property
+    def weights_step(self) -> int:
+        return self.weights.step or 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> Ticket:
+        fields = {**state, "weights": WeightsRef(**state["weights"])}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def split_sizes(total: int, parts: int) -> tuple[int, ...]:
+    """`total` items in `parts` contiguous parts whose sizes differ by at most one (no empty part)."""
+    parts = max(1, min(parts, total))
+    base, extra = divmod(total, parts)
+    return tuple(base + (i < extra) for i in range(parts))
+
+
+def describe_requests(spool: Spool, request_ids: list[str]) -> str:
+    """Where each request stands: done, queued, claimed by a worker, or not in the spool."""
+    claimed = {}
+    for entry in spool.entries("claimed"):
+        original, worker_id = split_claimed_name(entry.name)
+        claimed[id_from_name(original)] = worker_id
+    states = []
+    for request_id in request_ids:
+        if spool.has_result(request_id):
+            state = "done"
+        elif request_id in claimed:
+            state = f"claimed by {claimed[request_id]}"
+        elif spool.request_path(request_id).exists():
+            state = "queued"
+        else:
+            state = "not in the spool"
+        states.append(f"{request_id}: {state}")
+    return "; ".join(states)
 
 
 class RolloutService:
-    def __init__(self, cfg: Config, *, launch_id: str, world_size: int = 1, cuda_devices: int | None = None):
+    def __init__(self, cfg: Config, *, world_size: int = 1, cuda_devices: int | None = None):
         """`world_size`, `cuda_devices`: the training ranks and the GPUs this process sees; the
         spawned worker gets the GPU the topology gate approved (gates.rollout_gpu)."""
         self.cfg = cfg
@@ -64,7 +148,6 @@ class RolloutService:
 
             cuda_devices = torch.cuda.device_count()
         self.cuda_devices = cuda_devices
-        self.launch_id = launch_id
         self.proc: subprocess.Popen | None = None
         self.log_path = cfg.run_dir / "rollout-worker.log"
         if cfg.rollout.spawn:
@@ -132,6 +215,58 @@ class RolloutService:
         if self.proc is not None and self.proc.poll() is not None:
             raise RolloutUnavailable(f"the rollout worker exited with code {self.proc.returncode}; see {self.log_path}")
 
+    def submit(
+        self,
+        prompts: list[str],
+        *,
+        weights: WeightsRef,
+        step: int,
+        attempt: int,
+        seed: int,
+        n: int | None = None,
+        temperature: float | None = None,
+        tag: str = "train",
+    ) -> Ticket:
+        """Send `n` samples (default G) of each prompt from `weights`, fanned out over the live
+        workers; returns at once. Requests the spool already holds are not sent again."""
+        parts = split_sizes(len(prompts), self.cfg.rollout.fan_out or len(self.client.spool.live_workers()))
+        ticket = Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag, parts)
+        requests = self._requests(ticket)
+        ticket = replace(ticket, request_ids=tuple(r.request_id for r in requests))
+        self._send(requests)
+        return ticket
+
+    def restore(self, ticket: Ticket) -> None:
+        """Take over a call a previous launch made: its results already in the spool are used, its
+        requests still queued or claimed are awaited, and only those the spool lost are sent."""
+        self._send(self._requests(ticket))
+
+    def collect(self, ticket: Ticket) -> list[Group]:
+        """The groups of a submitted call, in prompt order, once every request has its result."""
+        try:
+            results = self.client.wait(
+                list(ticket.request_ids), timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker
+            )
+        except ResultTimeout:
+            raise RolloutUnavailable(
+                f"step {ticket.step} ({ticket.tag}, attempt {ticket.attempt}) has no complete answer after "
+                f"{self.cfg.rollout.timeout_s:.0f} s (rollout.timeout_s): "
+                f"{describe_requests(self.client.spool, list(ticket.request_ids))}. "
+                f"`spoolctl stats -s {self.cfg.spool_dir}` shows what the workers do"
+            ) from None
+        except NoLiveWorker as exc:
+            self._check_worker()  # a dead spawned worker is the better explanation
+            raise RolloutUnavailable(str(exc)) from None
+        groups = []
+        for request_id in ticket.request_ids:
+            result = results[request_id]
+            if not result.ok:
+                raise RolloutFailed(
+                    f"rollout request {request_id} failed: {result.error.code.value}: {result.error.message}"
+                )
+            groups += to_groups(result, ticket.weights_step)
+        return groups
+
     def sample(
         self,
         prompts: list[str],
@@ -145,48 +280,53 @@ class RolloutService:
         temperature: float | None = None,
         tag: str = "train",
     ) -> list[Group]:
-        """`n` samples (default G) of each prompt, from the given weights."""
-        r = self.cfg.rollout
-        request = Request(
-            request_id=f"{self.cfg.run_dir.name[:40]}-{self.launch_id}-{tag}-s{step:08d}-a{attempt}",
-            weights_dir=weights_dir,
-            weights_content_id=content_id,
-            prompts=prompts,
-            n_samples_per_prompt=n or r.samples_per_prompt,
-            max_tokens=r.max_tokens,
-            temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p,
-            seed=seed,
-            tag=tag,
+        """`n` samples (default G) of each prompt, from the given weights: submit, then collect."""
+        weights = WeightsRef(weights_dir, content_id)
+        ticket = self.submit(
+            prompts, weights=weights, step=step, attempt=attempt, seed=seed, n=n, temperature=temperature, tag=tag
         )
-        self.client.submit(request)
-        result = self._wait(request.request_id)
-        if not result.ok:
-            raise RolloutFailed(
-                f"rollout request {request.request_id} failed: {result.error.code.value}: {result.error.message}"
+        return self.collect(ticket)
+
+    def _requests(self, ticket: Ticket) -> list[Request]:
+        r = self.cfg.rollout
+        asked = {
+            "weights_dir": ticket.weights.dir,
+            "weights_content_id": ticket.weights.content_id,
+            "n_samples_per_prompt": ticket.n or r.samples_per_prompt,
+            "max_tokens": r.max_tokens,
+            "temperature": r.temperature if ticket.temperature is None else ticket.temperature,
+            "top_p": r.top_p,
+            "tag": ticket.tag,
+        }
+        requests, start = [], 0
+        for part, size in enumerate(ticket.parts):
+            fields = {**asked, "prompts": list(ticket.prompts[start : start + size]), "seed": ticket.seed + part}
+            start += size
+            digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+            name = (
+                f"{self.cfg.run_dir.name[:40]}-{ticket.tag[:12]}-s{ticket.step:08d}-a{ticket.attempt}-p{part}-{digest}"
             )
-        return to_groups(result)
+            requests.append(Request(request_id=name, **fields))
+        return requests
 
-    def _wait(self, request_id: str) -> Result:
-        try:
-            return self.client.wait([request_id], timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker)[
-                request_id
-            ]
-        except ResultTimeout:
-            raise RolloutUnavailable(
-                f"no result for {request_id} after {self.cfg.rollout.timeout_s:.0f} s (rollout.timeout_s); "
-                f"`spoolctl stats -s {self.cfg.spool_dir}` shows what the workers do"
-            ) from None
-        except NoLiveWorker as exc:
-            self._check_worker()  # a dead spawned worker is the better explanation
-            raise RolloutUnavailable(str(exc)) from None
+    def _send(self, requests: list[Request]) -> None:
+        """Submit, in one batch, the requests the spool does not hold in any state."""
+        spool = self.client.spool
+        claimed = {split_claimed_name(e.name)[0] for e in spool.entries("claimed")}
+        missing = [r for r in requests if not spool.locate(r.request_id, claimed_names=claimed)]
+        if missing:
+            self.client.submit_many(missing)
+        if len(missing) < len(requests):
+            log.info(
+                "%d of %d requests were already in the spool; using them", len(requests) - len(missing), len(requests)
+            )
 
 
-def to_groups(result: Result) -> list[Group]:
+def to_groups(result: Result, weights_step: int = 0) -> list[Group]:
     groups = []
     for prompt_ids, ids, logprobs, texts, reasons in zip(
         result.prompt_token_ids, result.token_ids, result.logprobs, result.texts, result.finish_reasons, strict=True
     ):
         samples = [Sample(list(i), list(lp), t, f) for i, lp, t, f in zip(ids, logprobs, texts, reasons, strict=True)]
-        groups.append(Group(list(prompt_ids), samples))
+        groups.append(Group(list(prompt_ids), samples, weights_step))
     return groups

@@ -118,9 +118,28 @@ def exit_process(code: int) -> None:
 
 
 def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> Run:
-    """Everything the loop needs, on this rank. Launch gates refuse with GateRefused."""
+    """Everything the loop needs, on this rank. Launch gates refuse with GateRefused.
+
+    Rank 0 starts the rollout sampler first: a spawned worker's engine starts (tens of seconds)
+    while the gates run and the model loads. Whatever then fails, a gate's refusal included,
+    stops it again; so does a run that turns out to need no rollouts (finished, or its tripwire
+    fired)."""
     dist_info = init_distributed()
     setup_process(cfg, dist_info)
+    sampler = None
+    if dist_info.is_main:
+        if cfg.rollout.spawn:  # where the worker would run is checked before it starts there
+            gates.check_topology(cfg, dist_info.world_size, torch.cuda.device_count())
+        sampler = make_rollout_sampler(cfg, make_sampler, dist_info)
+    try:
+        return build(cfg, stage, dist_info, sampler)
+    except BaseException:
+        if sampler is not None:
+            sampler.close()
+        raise
+
+
+def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | None) -> Run:
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     verifier = Verifier()
@@ -140,8 +159,9 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
     banner = outputs.banner(cfg, stage, latest.path if latest else None, len(train_problems), gate_figures)
     log.info("BANNER %s", json.dumps(banner, indent=1))
 
-    needs_rollouts = dist_info.is_main and state.step < cfg.train.steps and not tripwire.fired
-    sampler = make_rollout_sampler(cfg, make_sampler, dist_info) if needs_rollouts else None
+    if sampler is not None and (state.step >= cfg.train.steps or tripwire.fired):
+        sampler.close()  # nothing left to sample
+        sampler = None
     sync = WeightSync(cfg, dist_info)
     weights = sync.resume(policy.model, state.step)
     return Run(
@@ -156,7 +176,7 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
         latest=latest,
         weights=weights,
         sync=sync,
-        sample=StepSampler(sampler, stream, verifier, cfg, dist_info),
+        sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step) if dist_info.is_main else Outputs.silent(),
         banner=banner,
@@ -194,4 +214,4 @@ def make_rollout_sampler(cfg: Config, make_sampler: MakeSampler | None, dist_inf
         return make_sampler(cfg, launch_id)
     from .rollout import RolloutService
 
-    return RolloutService(cfg, launch_id=launch_id, world_size=dist_info.world_size)
+    return RolloutService(cfg, world_size=dist_info.world_size)

@@ -4,13 +4,28 @@ sent to every rank (StepSampler).
 A group whose G rewards are all equal has zero advantage everywhere and teaches nothing. Such
 dead groups are counted and, up to `loss.dead_group_retries` times per step, replaced by
 groups of fresh prompts; what is still dead after that stays in the batch (it adds nothing to
-the gradient, and the step's size stays what the config says).
+the gradient, and the step's size stays what the config says). The step's reward before any
+replacement (`reward_first`) is the policy's own estimate; the trained batch's (`reward_trained`)
+is higher once the policy is good, since its all-correct groups are swapped out.
+
+Generating ahead (`rollout.ahead = k`): while step s trains, the first sampling of steps
+s+1..s+k is in flight, each sent with the newest published weights of its time, so a step's
+samples are up to k steps (and publish.every - 1 more) behind the weights that train on them.
+Guarantees:
+- Each group carries the weights step it was sampled from; a step reports its mean staleness
+  (step - weights step) and how many groups it dropped as staler than `rollout.max_policy_lag`.
+  Those are sampled again, the same prompts from the newest weights, before the step trains.
+- The order of draws from the prompt stream does not depend on timing: a step's first sampling
+  draws when it is sent, its retries when its first sampling is scored.
+- The calls in flight are part of a checkpoint (`state_dict`), with their prompts: the stream's
+  saved cursor is past them, and a resume takes them over (Sampler.restore) instead of drawing
+  or sending them again.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
@@ -20,20 +35,33 @@ from .config import Config
 from .data import Problem, PromptStream
 from .model import Distributed
 from .rewards import RewardBreakdown, Verifier, score
-from .rollout import Group
+from .rollout import Group, Ticket, WeightsRef
 
-
-@dataclass(frozen=True)
-class WeightsRef:
-    """The weights a request names: a directory, its content id, and the step that wrote them
-    (None for the starting model)."""
-
-    dir: str
-    content_id: str | None = None
-    step: int | None = None
+__all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "WeightsRef", "summarize"]
 
 
 class Sampler(Protocol):
+    """Samples prompts: `submit` sends a call and returns at once, `collect` waits for its groups
+    (in prompt order, each with its weights step), `restore` takes over a call a previous launch
+    sent; `sample` is submit then collect, for callers that wait anyway (canary, band)."""
+
+    def submit(
+        self,
+        prompts: list[str],
+        *,
+        weights: WeightsRef,
+        step: int,
+        attempt: int,
+        seed: int,
+        n: int | None = None,
+        temperature: float | None = None,
+        tag: str = "train",
+    ) -> Ticket: ...
+
+    def restore(self, ticket: Ticket) -> None: ...
+
+    def collect(self, ticket: Ticket) -> list[Group]: ...
+
     def sample(
         self,
         prompts: list[str],
@@ -52,6 +80,21 @@ class Sampler(Protocol):
 
 
 @dataclass
+class InFlight:
+    """A step's first sampling, sent and not yet trained on, with the problems it asks about."""
+
+    ticket: Ticket
+    problems: list[Problem]
+
+    def state_dict(self) -> dict:
+        return {"ticket": self.ticket.state_dict(), "problems": [asdict(p) for p in self.problems]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> InFlight:
+        return cls(Ticket.from_state(state["ticket"]), [Problem(**p) for p in state["problems"]])
+
+
+@dataclass
 class StepRollouts:
     problems: list[Problem]
     groups: list[Group]
@@ -61,102 +104,146 @@ class StepRollouts:
     dead_initial: int  # dead groups in the first sampling
     dead_final: int  # dead groups left after the retries
     retries: int  # extra requests made
+    reward_first: float = 0.0  # mean reward of the first sampling, before dead groups were replaced
+    staleness_mean: float = 0.0  # mean over the batch's groups of (step - the weights step that sampled it)
+    dropped_stale: int = 0  # groups dropped as staler than rollout.max_policy_lag (and sampled again)
     generate_s: float = 0.0  # waiting for the rollout service (generation, queueing, reloads)
     score_s: float = 0.0  # rewards: answer extraction, verifier, shaping
 
 
 class StepSampler:
-    """Rank 0 samples and scores each step through `sampler`; every rank gets the same rollouts.
-    Other ranks pass `sampler=None` and only receive."""
+    """Rank 0 samples and scores each step through `sampler`, keeping `rollout.ahead` steps in
+    flight; every rank gets the same rollouts. Other ranks pass `sampler=None` and only receive.
+    `in_flight`: the calls a checkpoint recorded (`state_dict`), taken over at a resume."""
 
     def __init__(
-        self, sampler: Sampler | None, stream: PromptStream, verifier: Verifier, cfg: Config, dist_info: Distributed
+        self,
+        sampler: Sampler | None,
+        stream: PromptStream,
+        verifier: Verifier,
+        cfg: Config,
+        dist_info: Distributed,
+        in_flight: list[dict] = (),
     ):
         self.sampler, self.stream, self.verifier, self.cfg, self.dist = sampler, stream, verifier, cfg, dist_info
+        self.in_flight: dict[int, InFlight] = {}
+        if sampler is not None:
+            for state in in_flight:
+                flight = InFlight.from_state(state)
+                sampler.restore(flight.ticket)
+                self.in_flight[flight.ticket.step] = flight
 
     def __call__(self, step: int, weights: WeightsRef) -> StepRollouts:
+        """Step `step`'s rollouts; `weights` are the newest published ones."""
         local = None
         if self.cfg.rollout.colocate and self.dist.device.type == "cuda":
             torch.cuda.empty_cache()  # blocks the trainer cached are the memory a waking worker needs
         if self.sampler is not None:
-            local = sample_step(self.sampler, self.stream, self.verifier, self.cfg, step=step, weights=weights)
+            local = self._sample(step, weights)
         return self.dist.from_rank0(local)  # one object: a step's rollouts are small
+
+    def state_dict(self) -> list[dict]:
+        """The calls in flight, oldest step first (empty on ranks other than 0)."""
+        return [self.in_flight[step].state_dict() for step in sorted(self.in_flight)]
 
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()
 
+    # -- rank 0 ------------------------------------------------------------------------------
 
-def sample_step(
-    sampler: Sampler,
-    stream: PromptStream,
-    verifier: Verifier,
-    cfg: Config,
-    *,
-    step: int,
-    weights: WeightsRef,
-) -> StepRollouts:
-    problems = stream.take(cfg.rollout.prompts_per_step)
-    spent = {"generate": 0.0, "score": 0.0}
-
-    def sample_and_score(batch: list[Problem], attempt: int):
-        began = time.monotonic()
-        groups = sampler.sample(
-            [p.prompt for p in batch],
-            weights_dir=weights.dir,
-            content_id=weights.content_id,
+    def _send(self, step: int, weights: WeightsRef, attempt: int, problems: list[Problem]) -> InFlight:
+        ticket = self.sampler.submit(
+            [p.prompt for p in problems],
+            weights=weights,
             step=step,
             attempt=attempt,
-            seed=cfg.run.seed * 1_000_003 + step * 101 + attempt,
+            seed=self.cfg.run.seed * 1_000_003 + step * 101 + attempt,
         )
-        sampled = time.monotonic()
-        scored = [
-            score(
-                [(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples],
-                p.gold,
-                cfg.reward,
-                verifier,
-                cfg.rollout.max_tokens,
-            )
-            for p, g in zip(batch, groups, strict=True)
-        ]
-        spent["generate"] += sampled - began
-        spent["score"] += time.monotonic() - sampled
-        return groups, scored
+        return InFlight(ticket, problems)
 
-    groups, breakdowns = sample_and_score(problems, 0)
-    dead = [i for i, b in enumerate(breakdowns) if _is_dead(b)]
-    dead_initial, retries = len(dead), 0
-    for attempt in range(1, cfg.loss.dead_group_retries + 1):
-        if not dead:
-            break
-        fresh = stream.take(len(dead))
-        new_groups, new_breakdowns = sample_and_score(fresh, attempt)
-        retries += 1
-        still_dead = []
-        for slot, problem, group, scored in zip(dead, fresh, new_groups, new_breakdowns, strict=False):
-            if _is_dead(scored):
-                still_dead.append(slot)
-            else:
-                problems[slot], groups[slot], breakdowns[slot] = problem, group, scored
-        dead = still_dead
-    rewards = torch.tensor([[b.total for b in group] for group in breakdowns], dtype=torch.float32)
-    if cfg.reward.shuffle_control:
-        order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
-        rewards = rewards.flatten()[order].view_as(rewards)
-    advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
-    return StepRollouts(
-        problems,
-        groups,
-        rewards,
-        breakdowns,
-        advantages,
-        dead_initial,
-        len(dead),
-        retries,
-        spent["generate"],
-        spent["score"],
-    )
+    def _top_up(self, step: int, weights: WeightsRef) -> None:
+        """Send the first sampling of the next `rollout.ahead` steps that are not in flight yet."""
+        last = min(step + self.cfg.rollout.ahead, self.cfg.train.steps - 1)
+        for ahead in range(step + 1, last + 1):
+            if ahead not in self.in_flight:
+                self.in_flight[ahead] = self._send(
+                    ahead, weights, 0, self.stream.take(self.cfg.rollout.prompts_per_step)
+                )
+
+    def _sample(self, step: int, weights: WeightsRef) -> StepRollouts:
+        cfg = self.cfg
+        spent = {"generate": 0.0, "score": 0.0}
+
+        def collect_and_score(flight: InFlight):
+            began = time.monotonic()
+            groups = self.sampler.collect(flight.ticket)
+            sampled = time.monotonic()
+            scored = [
+                score(
+                    [(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples],
+                    p.gold,
+                    cfg.reward,
+                    self.verifier,
+                    cfg.rollout.max_tokens,
+                )
+                for p, g in zip(flight.problems, groups, strict=True)
+            ]
+            spent["generate"] += sampled - began
+            spent["score"] += time.monotonic() - sampled
+            return groups, scored
+
+        first = self.in_flight.pop(step, None)
+        if first is None:
+            first = self._send(step, weights, 0, self.stream.take(cfg.rollout.prompts_per_step))
+        dropped = 0
+        if step - first.ticket.weights_step > cfg.rollout.max_policy_lag:
+            # Sampled by weights too old to train on: the same prompts again, from the newest.
+            dropped = len(first.problems)
+            first = self._send(step, weights, 0, first.problems)
+        problems = list(first.problems)
+        groups, breakdowns = collect_and_score(first)
+        reward_first = sum(b.total for group in breakdowns for b in group) / sum(len(group) for group in breakdowns)
+        dead = [i for i, b in enumerate(breakdowns) if _is_dead(b)]
+        dead_initial, retries = len(dead), 0
+        retry = None
+        if dead and cfg.loss.dead_group_retries:
+            retry = self._send(step, weights, 1, self.stream.take(len(dead)))
+        self._top_up(step, weights)  # after the retry: a worker serves that first, the next steps meanwhile
+        while retry is not None:
+            new_groups, new_breakdowns = collect_and_score(retry)
+            retries += 1
+            still_dead = []
+            for slot, problem, group, scored in zip(dead, retry.problems, new_groups, new_breakdowns, strict=False):
+                if _is_dead(scored):
+                    still_dead.append(slot)
+                else:
+                    problems[slot], groups[slot], breakdowns[slot] = problem, group, scored
+            dead = still_dead
+            attempt = retry.ticket.attempt + 1
+            retry = None
+            if dead and attempt <= cfg.loss.dead_group_retries:
+                retry = self._send(step, weights, attempt, self.stream.take(len(dead)))
+        rewards = torch.tensor([[b.total for b in group] for group in breakdowns], dtype=torch.float32)
+        if cfg.reward.shuffle_control:
+            order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
+            rewards = rewards.flatten()[order].view_as(rewards)
+        advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
+        return StepRollouts(
+            problems,
+            groups,
+            rewards,
+            breakdowns,
+            advantages,
+            dead_initial,
+            len(dead),
+            retries,
+            reward_first=reward_first,
+            staleness_mean=sum(step - g.weights_step for g in groups) / len(groups),
+            dropped_stale=dropped,
+            generate_s=spent["generate"],
+            score_s=spent["score"],
+        )
 
 
 def _is_dead(breakdowns: list[RewardBreakdown]) -> bool:
@@ -168,7 +255,11 @@ def summarize(r: StepRollouts) -> dict:
     # Answer tokens: the end-of-sequence token that closes a finished sample is not part of it.
     lengths = [len(s.token_ids) - (s.finish_reason == "stop") for g in r.groups for s in g.samples]
     return {
-        "reward_mean": float(r.rewards.mean()),
+        # reward_mean is the run's reward figure (tripwire, progress, summary, plot): the policy's
+        # own estimate, the first sampling's, not the trained batch's (dead groups replaced).
+        "reward_mean": r.reward_first,
+        "reward_first": r.reward_first,
+        "reward_trained": float(r.rewards.mean()),
         "reward_std": float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
         "accuracy": sum(b.correct for b in flat) / len(flat),
         "format_rate": sum(b.format_ok for b in flat) / len(flat),
@@ -176,6 +267,8 @@ def summarize(r: StepRollouts) -> dict:
         "dead_groups": r.dead_initial,
         "dead_groups_after_retry": r.dead_final,
         "retries": r.retries,
+        "staleness_mean": r.staleness_mean,
+        "dropped_stale": r.dropped_stale,
         "generate_s": r.generate_s,
         "score_s": r.score_s,
     }
