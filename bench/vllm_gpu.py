@@ -72,7 +72,8 @@ def build_shape(root: Path, shape: str) -> dict[str, Path]:
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 1.5B on a CPU takes minutes
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     a, b, retok = root / f"{shape}-a", root / f"{shape}-b", root / f"{shape}-retok"
     model.save_pretrained(a, safe_serialization=True)
     del model
