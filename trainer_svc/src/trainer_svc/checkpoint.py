@@ -19,6 +19,7 @@ checkpoint; the weights are an HF directory (a worker or an eval job can load th
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from protocol.fsio import fsync_dir, fsync_tree
 
@@ -40,6 +42,11 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step_"
 STATE_DIR = "trainer_state"
 PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
+
+
+class CheckpointWriteFailed(OSError):
+    """A checkpoint could not be written (a full disk, most often). Nothing of it is kept and the
+    older checkpoints are untouched: a relaunch resumes from the newest of them."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +153,10 @@ def save(
             shutil.rmtree(final)
         os.rename(staging, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, (RuntimeError, SafetensorError)):  # torch.save and safetensors name no errno
+            raise CheckpointWriteFailed(errno.EIO, f"writing checkpoint {final} failed ({exc})") from exc
         raise
     return Checkpoint(final, step, content_id)
 

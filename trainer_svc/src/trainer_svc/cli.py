@@ -83,7 +83,9 @@ def train(
     except (RolloutUnavailable, RolloutFailed) as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        from .checkpoint import CheckpointWriteFailed
+
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and not isinstance(exc, CheckpointWriteFailed):
             raise
         raise _fail(exit_codes.CANNOT_WRITE, _full_disk_message(exc, cfg)) from None
     if code == exit_codes.OK:

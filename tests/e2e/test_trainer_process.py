@@ -1,0 +1,211 @@
+"""`trainer-svc train` as a process, the way a user stops it: SIGTERM (systemd, a scheduler) or
+Ctrl-C (SIGINT to its whole process group) mid-run stops it at a step boundary with a
+checkpoint and exit 75; the relaunch resumes and finishes, and its per-step metrics equal an
+uninterrupted run's. A disk that fills while it publishes weights or saves a checkpoint stops it
+with exit 74 and a message saying what to do, leaving nothing half written; the relaunch
+resumes from the newest checkpoint.
+
+Determinism: vLLM's CPU build samples reproducibly for a seeded request. The same request
+(seed, prompts, weights) gives the same token ids and bitwise-equal logprobs from one engine
+and from an engine restarted in a new process (measured with vLLM 0.32.0: 3 prompts x 8
+samples, temperature 1, every token and logprob equal). The trainer seeds each request from
+run.seed and the step and trains deterministically on the CPU (run.deterministic), so the runs
+here compare exactly. They share one worker (rollout.spawn = false): one engine start for the
+module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import ServedWorker, keep_running, poll
+
+from protocol import exit_codes
+from protocol.spool import Spool
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+STEPS = 6
+TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
+
+
+def write_config(path: Path, run_dir: Path, model: Path, spool: Path, extra: str = "") -> Path:
+    path.write_text(f"""
+[run]
+dir = "{run_dir}"
+seed = 3
+deterministic = true
+
+[model]
+path = "{model}"
+
+[data]
+arithmetic_low = 0
+arithmetic_high = 9
+held_out = 10
+
+[rollout]
+prompts_per_step = 4
+samples_per_prompt = 4
+max_tokens = 4
+spawn = false
+spool = "{spool}"
+
+[train]
+steps = {STEPS}
+lr = 1e-4
+grad_accum = 2
+
+[checkpoint]
+keep_last = 2
+{extra}""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    """A briefly warmed-up tiny model (its samples are sometimes right, so steps have gradients),
+    one vLLM worker on a shared spool, and the uninterrupted run's per-step metrics."""
+    base = tmp_path_factory.mktemp("trainer-process")
+    tiny = base / "tiny"
+    subprocess.run([str(ROOT / ".venvs/rollout/bin/rollout-svc"), "tiny-model", str(tiny)], check=True)
+    model = base / "warm"
+    sft = write_config(base / "sft.toml", base / "sft-run", model, base / "spool")
+    sft.write_text(
+        sft.read_text()
+        + f'[sft]\nbase = "{tiny}"\nproblems = 60\nsteps = 150\nstop_at_accuracy = 0.15\n'
+        + "eval_every = 25\neval_problems = 64\n"
+    )
+    done = subprocess.run([str(TRAINER), "sft", str(sft)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spool = Spool(base / "spool", create=True)
+    worker = ServedWorker(
+        spool, "trainer-rollout",
+        ["--engine", "vllm", "--allowed-root", str(base), "--weights", str(model), "--max-model-len", "64",
+         "--idle-exit", "0"],
+        log_dir=base,
+    )  # fmt: skip
+    keep_running(worker)
+    try:
+        straight = base / "straight"
+        finished = launch(write_config(base / "straight.toml", straight, model, spool.root))
+        assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+        expected = step_rows(straight)
+        assert len(expected) == STEPS and any(row["grad_norm"] > 0 for row in expected)
+        yield {"base": base, "model": model, "spool": spool, "worker": worker, "expected": expected}
+    finally:
+        worker.kill()
+
+
+def launch(config: Path, file_size_limit: int | None = None) -> subprocess.Popen:
+    """`trainer-svc train CONFIG` in its own process group, output in CONFIG's .log (or a pipe
+    under a file-size limit, which would cut the log too)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    out = subprocess.PIPE if file_size_limit else open(config.with_suffix(".log"), "ab")
+    return subprocess.Popen(
+        [str(TRAINER), "train", str(config)], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        start_new_session=True, preexec_fn=limit if file_size_limit else None,
+    )  # fmt: skip
+
+
+def log_tail(proc: subprocess.Popen) -> str:
+    config = Path(proc.args[-1])
+    return config.with_suffix(".log").read_text()[-3000:] if config.with_suffix(".log").exists() else ""
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    names = (
+        sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
+    )
+    return names[-1] if names else None
+
+
+def no_partials(run_dir: Path) -> None:
+    """Nothing half written is left: no hidden staging directory, every step directory complete."""
+    for parent in (run_dir / "checkpoints", run_dir / "weights"):
+        if parent.exists():
+            assert [p.name for p in parent.iterdir() if p.name.startswith(".")] == []
+            assert all((p / "manifest.json").exists() for p in parent.iterdir())
+
+
+def interrupt_after(config: Path, run_dir: Path, rows: int, send) -> None:
+    """Launch, wait for `rows` metrics rows, `send(proc)` a signal; it must stop at a step boundary
+    with a checkpoint of that step and exit 75."""
+    proc = launch(config)
+    try:
+        seen = poll(lambda: len(step_rows(run_dir)), lambda n: n >= rows or proc.poll() is not None, timeout_s=600)
+        assert proc.poll() is None and seen >= rows, log_tail(proc)
+        send(proc)
+        assert proc.wait(timeout=600) == exit_codes.RESUMABLE_STOP, log_tail(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped_at = len(step_rows(run_dir))
+    assert stopped_at < STEPS and newest_checkpoint(run_dir) == f"step_{stopped_at:08d}"
+    assert "relaunch to resume" in log_tail(proc)
+
+
+def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_relaunch_repeats_the_run(setting):
+    base = setting["base"]
+    run_dir = base / "interrupted"
+    config = write_config(base / "interrupted.toml", run_dir, setting["model"], setting["spool"].root)
+    interrupt_after(config, run_dir, 1, lambda proc: proc.send_signal(signal.SIGTERM))
+    first_stop = len(step_rows(run_dir))
+    # Ctrl-C at a terminal: SIGINT to the whole process group (the verifier's process included).
+    interrupt_after(config, run_dir, first_stop + 1, lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    finished = launch(config)
+    assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+    assert step_rows(run_dir) == setting["expected"]
+    assert json.loads((run_dir / "stage_result.json").read_text())["finished"]
+
+
+def test_a_full_disk_while_publishing_weights_exits_74_and_keeps_nothing_half_written(setting):
+    base = setting["base"]
+    run_dir = base / "full-publish"
+    config = write_config(base / "full-publish.toml", run_dir, setting["model"], setting["spool"].root)
+    weights_bytes = (setting["model"] / "model.safetensors").stat().st_size
+    proc = launch(config, file_size_limit=weights_bytes // 2)  # small files fit, the weights do not
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == exit_codes.CANNOT_WRITE, output[-3000:]
+    assert "File too large" in output and "Free space, then relaunch" in output and "from the start" in output
+    assert "Traceback" not in output
+    assert not (run_dir / "weights").exists() or list((run_dir / "weights").iterdir()) == []
+    no_partials(run_dir)
+
+
+def test_a_full_disk_while_saving_a_checkpoint_exits_74_and_the_relaunch_repeats_the_run(setting):
+    base = setting["base"]
+    run_dir = base / "full-checkpoint"
+    config = write_config(
+        base / "full-checkpoint.toml", run_dir, setting["model"], setting["spool"].root, extra="every = 2\n"
+    )
+    weights_bytes = (setting["model"] / "model.safetensors").stat().st_size
+    # Published weights fit; a checkpoint's optimizer state (two tensors per parameter) does not.
+    proc = launch(config, file_size_limit=weights_bytes + weights_bytes // 2)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == exit_codes.CANNOT_WRITE, output[-3000:]
+    assert "writing checkpoint" in output and "step_00000002" in output and "from the start" in output
+    assert "Traceback" not in output
+    assert newest_checkpoint(run_dir) is None
+    no_partials(run_dir)
+
+    finished = launch(config)
+    assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+    assert step_rows(run_dir) == setting["expected"]
