@@ -1,0 +1,166 @@
+"""Spool under load: echo workers and producers, with done/ empty and with done/ full.
+
+    .venvs/rollout/bin/python bench/spool_load.py [--requests 20000] [--done-files 100000] [--json OUT]
+
+Two runs on two fresh spools, otherwise alike: `--workers` (4) real `rollout-svc serve --engine
+echo` processes and `--producers` (2) producer processes, which submit `--requests` requests in
+submit_many batches and wait for every result. The first spool's done/ starts empty; the
+second's starts with `--done-files` files, as a spool holds them between prunes. Per run:
+
+- requests/s, from the first submit to the last result in hand;
+- the workers' CPU seconds per 1000 requests (their scans, claims, reads and publishes: what
+  would grow if a request's path listed done/), from /proc/<pid>/stat;
+- each worker's peak resident memory (VmHWM);
+- nothing lost: every request has exactly one result, ok and with the expected text, and
+  requests/, claimed/ and results/ are empty at the end.
+
+Then the full spool is pruned as `spoolctl prune` does (Spool.prune), cutting at the moment the
+second run started: the files left before it go, the run's own stay. Target: with done/ full,
+CPU per request, rate and peak memory within 1.25 x of the empty run (side by side, one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from spool_roundtrip import Workers, _produce, machine, make_request
+
+from protocol.messages import decode_result
+from protocol.spool import Spool
+
+TARGET_RATIO = 1.25
+
+
+def fill_done(spool: Spool, count: int) -> None:
+    """`count` files in done/, half archived requests and half consumed results, as serving leaves them."""
+    body = make_request("old").prompts[0].encode()
+    for i in range(count // 2):
+        spool.archived_request_path(f"old-{i:07d}").write_bytes(body)
+        spool.consumed_result_path(f"old-{i:07d}").write_bytes(body)
+
+
+def worker_figures(pid: int) -> tuple[float, int]:
+    """(CPU seconds, peak resident bytes) of a live process."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    peak = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM"))
+    return cpu_s, int(peak.split()[1]) * 1024
+
+
+def served(spool: Spool, request_id: str) -> bool:
+    """One result, consumed by its producer (in done/), ok and with the echo's text."""
+    try:
+        result = decode_result(spool.consumed_result_path(request_id).read_bytes())
+    except FileNotFoundError:
+        return False
+    return result.ok and result.texts == [make_request(request_id).prompts]
+
+
+def run(base: Path, name: str, done_files: int, args) -> dict:
+    spool = Spool(base / name, create=True)
+    fill_done(spool, done_files)
+    log_dir = base / f"{name}-logs"
+    log_dir.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    ids = [f"{name}-{i:06d}" for i in range(args.requests)]
+    with Workers(spool, args.workers, log_dir) as workers:
+        cpu_before = [worker_figures(p.pid)[0] for p in workers.procs]
+        producers = [
+            ctx.Process(target=_produce, args=(str(spool.root), ids[k :: args.producers], args.batch, start, out))
+            for k in range(args.producers)
+        ]
+        for p in producers:
+            p.start()
+        time.sleep(0.5)  # producers build their requests before the clock starts
+        started = time.time()
+        start.set()
+        reports = [out.get(timeout=1800) for _ in producers]
+        for p in producers:
+            p.join()
+        figures = [worker_figures(p.pid) for p in workers.procs]
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        raise SystemExit(f"a producer failed: {errors[0]}; worker logs in {log_dir}")
+    elapsed = max(r["finished"] for r in reports) - started
+    cpu_s = sum(f[0] for f in figures) - sum(cpu_before)
+    lost = [i for i in ids if not served(spool, i)]
+    leftovers = {state: len(os.listdir(spool.root / state)) for state in ("requests", "claimed", "results")}
+    return {
+        "done_files_at_start": done_files,
+        "done_files_at_end": len(os.listdir(spool.done)),
+        "requests": args.requests,
+        "rate": args.requests / elapsed,
+        "elapsed_s": elapsed,
+        "worker_cpu_s_per_1000": 1000 * cpu_s / args.requests,
+        "worker_peak_rss_mib": [round(f[1] / 2**20, 1) for f in figures],
+        "lost_or_wrong": len(lost),
+        "leftovers": leftovers,
+        "started": started,
+        "spool": spool,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--done-files", type=int, default=100_000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=100, help="requests per submit_many")
+    parser.add_argument("--spool-dir", type=Path, default=None, help="base directory (default: a temporary one)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="spool-load-", dir=args.spool_dir))
+    try:
+        info = machine()
+        empty = run(base, "empty", 0, args)
+        full = run(base, "full", args.done_files, args)
+        spool = full.pop("spool")
+        empty.pop("spool")
+        pruning = time.monotonic()
+        removed = spool.prune(done_older_than_s=time.time() - full["started"])
+        prune_s = time.monotonic() - pruning
+        left = len(os.listdir(spool.done))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    info["loadavg_end"] = os.getloadavg()[0]
+    ratios = {
+        "cpu_per_request": full["worker_cpu_s_per_1000"] / empty["worker_cpu_s_per_1000"],
+        "rate": empty["rate"] / full["rate"],
+        "peak_rss": max(full["worker_peak_rss_mib"]) / max(empty["worker_peak_rss_mib"]),
+    }
+    for name, figures in (("done/ empty at start", empty), ("done/ full at start", full)):
+        print(
+            f"{name}: {figures['done_files_at_start']} -> {figures['done_files_at_end']} files in done/; "
+            f"{figures['rate']:.0f} requests/s ({figures['elapsed_s']:.1f} s); workers' CPU "
+            f"{figures['worker_cpu_s_per_1000']:.2f} s per 1000 requests; "
+            f"peak RSS {figures['worker_peak_rss_mib']} MiB; "
+            f"lost or wrong {figures['lost_or_wrong']}; left in {figures['leftovers']}"
+        )
+    print(
+        f"prune: removed {removed['done']} files of done/ in {prune_s:.2f} s; "
+        f"{left} left (this run's own {2 * args.requests})"
+    )
+    met = all(r <= TARGET_RATIO for r in ratios.values()) and not (empty["lost_or_wrong"] or full["lost_or_wrong"])
+    print(f"full / empty: {', '.join(f'{k} {v:.2f} x' for k, v in ratios.items())}; target <= {TARGET_RATIO} x: {met}")
+    print(f"machine: {info}; {args.workers} workers, {args.producers} producers, batches of {args.batch}")
+    if args.json:
+        import json
+
+        figures = {"empty": empty, "full": full, "ratios": ratios, "prune_s": prune_s, "pruned": removed, "left": left}
+        args.json.write_text(
+            json.dumps({"machine": info, "figures": figures, "met": met}, indent=1, default=str) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
