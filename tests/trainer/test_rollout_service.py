@@ -1,0 +1,156 @@
+"""The trainer's side of the spool with real echo workers (no model: the spool mechanics alone):
+fan-out over the live workers, calls taken over by a relaunch without sending anything twice,
+and a timeout that says where each request stands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROLLOUT_SVC, make_config
+
+from protocol.messages import Result
+from protocol.spool import Spool
+from trainer_svc.rollout import RolloutService, RolloutUnavailable, Ticket, WeightsRef
+
+WEIGHTS = WeightsRef("/models/none", None, 3)  # the echo engine loads nothing
+
+
+class EchoWorkers:
+    """`rollout-svc serve --engine echo` processes, each in its own session, all ended at teardown."""
+
+    def __init__(self, spool_dir: Path, log_dir: Path):
+        self.spool_dir, self.log_dir = spool_dir, log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, worker_id: str, *args: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{worker_id}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [str(ROLLOUT_SVC), "serve", "--engine", "echo", "--spool", str(self.spool_dir)]
+                + ["--worker-id", worker_id, "--idle-exit", "0", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs[worker_id] = proc
+        spool, deadline = Spool(self.spool_dir, create=True), time.monotonic() + 60
+        while not any(s.worker_id == worker_id and s.pid == proc.pid for s in spool.live_workers()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"echo worker {worker_id} did not start"
+            time.sleep(0.1)
+        return proc
+
+    def stop(self, worker_id: str) -> None:
+        proc = self.procs.pop(worker_id)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def workers(tmp_path):
+    found = EchoWorkers(tmp_path / "spool", tmp_path / "logs")
+    yield found
+    found.close()
+
+
+def service_config(tmp_path, **rollout):
+    return make_config(
+        tmp_path / "run",
+        tmp_path / "model",
+        rollout={"spool": str(tmp_path / "spool"), "timeout_s": 60.0, "no_worker_grace_s": 30.0, **rollout},
+    )
+
+
+def test_a_call_is_split_over_the_live_workers_and_gathered_in_prompt_order(tmp_path, workers):
+    workers.start("echo-a")
+    workers.start("echo-b")
+    service = RolloutService(service_config(tmp_path))
+    try:
+        prompts = [f"{i}+{i}={i}{i}" for i in range(5)]
+        ticket = service.submit(prompts, weights=WEIGHTS, step=7, attempt=0, seed=1)
+        assert ticket.parts == (3, 2) and len(set(ticket.request_ids)) == 2  # one request per live worker
+        groups = service.collect(ticket)
+        assert [[s.text for s in g.samples] for g in groups] == [[p[:4]] * 4 for p in prompts]  # max_tokens 4
+        assert {g.weights_step for g in groups} == {3}
+        one = service.submit(["1+1="], weights=WEIGHTS, step=8, attempt=0, seed=1)
+        assert one.parts == (1,)  # never more requests than prompts
+        assert [g.samples[0].text for g in service.collect(one)] == ["1+1="]
+    finally:
+        service.close()
+
+
+def test_a_relaunch_uses_results_in_the_spool_awaits_pending_ones_and_sends_only_lost_ones(tmp_path, workers):
+    cfg = service_config(tmp_path, fan_out=2)
+    spool = Spool(tmp_path / "spool", create=True)
+    first = RolloutService(cfg)
+
+    def call(step: int) -> Ticket:
+        return first.submit([f"{step}+{i}=" for i in range(4)], weights=WEIGHTS, step=step, attempt=0, seed=step)
+
+    workers.start("echo-a")
+    served, consumed = call(1), call(2)
+    first.collect(consumed)  # trained on by a launch that died before its next checkpoint
+    deadline = time.monotonic() + 30
+    while not all(spool.has_result(i) for i in served.request_ids):  # served, never collected
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    workers.stop("echo-a")
+    pending, lost = call(3), call(4)  # no worker: both wait in requests/
+    os.unlink(spool.request_path(lost.request_ids[0]))  # the spool lost half of this one
+    first.close()
+
+    second = RolloutService(cfg)  # the relaunch, from a checkpoint that recorded the four calls
+    sent: list[str] = []
+    submit_many = second.client.submit_many
+    second.client.submit_many = lambda requests: (sent.extend(r.request_id for r in requests), submit_many(requests))
+    try:
+        tickets = [Ticket.from_state(t.state_dict()) for t in (served, consumed, pending, lost)]
+        for ticket in tickets:
+            second.restore(ticket)
+        assert sent == [lost.request_ids[0]]
+        # The same call made again (a step redone without a record of it) sends nothing either.
+        again = second.submit([f"1+{i}=" for i in range(4)], weights=WEIGHTS, step=1, attempt=0, seed=1)
+        assert again == served and sent == [lost.request_ids[0]]
+        workers.start("echo-b")
+        for ticket in tickets:
+            assert [g.samples[0].text for g in second.collect(ticket)] == [f"{ticket.step}+{i}=" for i in range(4)]
+    finally:
+        second.close()
+    every = [i for t in tickets for i in t.request_ids]
+    done = os.listdir(spool.root / "done")
+    assert sorted(n for n in done if n.endswith(".result.json")) == sorted(f"{i}.result.json" for i in every)
+    assert sorted(n for n in done if n.endswith(".request.json")) == sorted(f"{i}.request.json" for i in every)
+    assert os.listdir(spool.requests) == os.listdir(spool.claimed) == os.listdir(spool.results) == []
+
+
+def test_a_call_not_answered_in_time_names_each_request_and_its_state(tmp_path, workers):
+    worker = workers.start("echo-frozen", "--lease", "60")
+    os.killpg(worker.pid, signal.SIGSTOP)  # alive by its heartbeat for a minute, serving nothing
+    service = RolloutService(service_config(tmp_path, fan_out=3, timeout_s=1.0))
+    try:
+        ticket = service.submit(["1+1=", "2+2=", "3+3="], weights=WEIGHTS, step=5, attempt=1, seed=0)
+        claimed_id, done_id, queued_id = ticket.request_ids
+        spool = service.client.spool
+        spool.claim(next(e for e in spool.pending() if e.request_id == claimed_id), "echo-other")
+        spool.publish_results([Result(request_id=done_id, ok=True, finished_at=time.time())])
+        with pytest.raises(RolloutUnavailable) as info:
+            service.collect(ticket)
+    finally:
+        service.close()
+    message = str(info.value)
+    assert "step 5 (train, attempt 1)" in message and "rollout.timeout_s" in message
+    assert f"{claimed_id}: claimed by echo-other" in message
+    assert f"{done_id}: done" in message and f"{queued_id}: queued" in message
