@@ -104,6 +104,9 @@ def test_a_worker_killed_mid_step_costs_a_lease_not_the_run(warm_model, tmp_path
             return services[-1]
 
         assert train(cfg, make_sampler=make) == exit_codes.OK
+        deadline = time.monotonic() + 30  # a worker archives its claim just after publishing its result
+        while os.listdir(spool.claimed) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         for proc in procs.values():
             try:

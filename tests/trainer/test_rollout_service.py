@@ -66,6 +66,13 @@ def workers(tmp_path):
     found.close()
 
 
+def archived(spool: Spool, timeout_s: float = 30.0) -> None:
+    """Until the workers have archived every claim: a worker publishes a result, then archives."""
+    deadline = time.monotonic() + timeout_s
+    while os.listdir(spool.claimed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def service_config(tmp_path, **rollout):
     return make_config(
         tmp_path / "run",
@@ -127,6 +134,7 @@ def test_a_relaunch_uses_results_in_the_spool_awaits_pending_ones_and_sends_only
         workers.start("echo-b")
         for ticket in tickets:
             assert [g.samples[0].text for g in second.collect(ticket)] == [f"{ticket.step}+{i}=" for i in range(4)]
+        archived(spool)
     finally:
         second.close()
     every = [i for t in tickets for i in t.request_ids]
