@@ -132,6 +132,8 @@ def write_metrics(run_dir: Path, steps: int = 30) -> None:
             row = {
                 "step": step,
                 "reward_mean": step / steps,
+                "reward_first": step / steps,
+                "reward_trained": min(1.0, 1.5 * step / steps),
                 "accuracy": min(1.0, 0.02 * step),
                 "loss": math.sin(step) * 0.1,
                 "entropy": 2.0 - step / steps,
@@ -143,7 +145,7 @@ def write_metrics(run_dir: Path, steps: int = 30) -> None:
 
 def test_plot_metrics_keys_are_the_panels():
     assert {key for key, _ in PANELS} == {
-        "reward_mean",
+        "reward_first",
         "accuracy",
         "loss",
         "entropy",

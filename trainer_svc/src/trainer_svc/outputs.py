@@ -62,7 +62,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def summary(rows: list[dict], window: int = 10) -> dict:
-    """Reward at the start and the end of the run: the mean of the first and last `window` steps."""
+    """Reward at the start and the end of the run: the mean of the first and last `window` steps
+    of `reward_mean`, each step's first sampling (before dead groups were replaced)."""
     if not rows:
         return {"steps": 0}
     rewards = [r["reward_mean"] for r in rows]
