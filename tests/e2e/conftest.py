@@ -189,3 +189,13 @@ def client_for():
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def storages(tmp_path_factory):
+    """Filesystems a spool can live on (tests/netfs.py): mounted at first use, unmounted at the end."""
+    from netfs import Storages
+
+    storages = Storages(tmp_path_factory.mktemp("storages"))
+    yield storages
+    storages.close()

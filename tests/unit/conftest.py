@@ -222,3 +222,13 @@ def run_worker(monkeypatch):
         if handle.thread.is_alive():
             handle.worker.request_stop()
             handle.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def storages(tmp_path_factory):
+    """Filesystems a spool can live on (tests/netfs.py): mounted at first use, unmounted at the end."""
+    from netfs import Storages
+
+    storages = Storages(tmp_path_factory.mktemp("storages"))
+    yield storages
+    storages.close()

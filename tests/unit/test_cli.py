@@ -118,7 +118,7 @@ def test_stats_counts_states_and_tells_live_from_dead_workers(spool):
 def test_recover_gives_dead_claims_back(spool):
     spool.submit(request("a"))
     claim = spool.claim(spool.pending()[0], "gone")
-    write_status(spool, "gone", age_s=100)
+    write_status(spool, "gone", age_s=100, lease_s=1.0)  # recover watches the heartbeat for half the lease
     result = invoke(spool, "recover")
     assert result.exit_code == 0 and "recovered 1 claims: a.json" in result.output
     assert not claim.path.exists() and (spool.requests / "a.json").exists()

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from .spool import DEFAULT_LEASE_S, STATES
+from .spool import DEFAULT_LEASE_S, STATES, split_claimed_name
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect and repair a rollout spool.")
 
@@ -170,9 +170,21 @@ def recover(
         float, typer.Option(help="Lease for claims whose worker left no status file (s).")
     ] = DEFAULT_LEASE_S,
 ) -> None:
-    """Give claims of dead workers (heartbeat older than their lease) back to requests/."""
+    """Give claims of dead workers (heartbeat older than their lease) back to requests/.
+
+    A worker is dead once its heartbeat has stood still for half its lease as this command
+    watched it (no clock of another host is trusted), so this takes that long."""
     spool = _open(spool_dir)
+    leases = {s.worker_id: s.lease_s for _, s in spool.statuses() if s is not None}
+    holders = {split_claimed_name(e.name)[1] for e in spool.entries("claimed")}
+    watch_s = max([leases.get(w, lease) for w in holders], default=0.0) / 2
+    if watch_s:
+        typer.echo(f"watching the heartbeats of {len(holders)} workers with claims for {watch_s:.1f} s", err=True)
     recovered = spool.recover_stale(lease)
+    deadline = time.monotonic() + watch_s
+    while time.monotonic() < deadline:
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        recovered += spool.recover_stale(lease)
     typer.echo(f"recovered {len(recovered)} claims" + (": " + ", ".join(recovered) if recovered else ""))
 
 

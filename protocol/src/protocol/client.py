@@ -106,20 +106,21 @@ class SpoolClient:
         while True:
             now = time.monotonic()
             full_check = now >= next_full_check
+            # Results are found in listings, never by opening a name that may not exist yet: a
+            # host that looked up an absent name can go on seeing it absent (negative caches).
             if full_check:
                 # Also looks in done/ (a result consumed earlier) and does the liveness work.
                 next_full_check = now + min(1.0, self.rescan_s)
-                candidates = list(pending)
+                found = self.spool.read_results(list(pending))
             else:
                 published = set(os.listdir(self.spool.results))
                 candidates = [i for i in pending if name_for_id(i) in published]
-            for request_id in candidates:
-                result = self.spool.read_result(request_id)
-                if result is not None:
-                    results[request_id] = result
-                    pending.discard(request_id)
-                    if consume:
-                        self.spool.consume_result(request_id)
+                found = self.spool.read_results(candidates, {"results": published, "done": set()}) if candidates else {}
+            for request_id, result in found.items():
+                results[request_id] = result
+                pending.discard(request_id)
+                if consume:
+                    self.spool.consume_result(request_id)
             if not pending:
                 return results
             waiting = sorted(pending)
@@ -163,11 +164,12 @@ class SpoolClient:
         for entry in self.spool.entries("claimed"):
             original, worker_id = split_claimed_name(entry.name)
             claimed[id_from_name(original)] = worker_id
+        queued = set(os.listdir(self.spool.requests))
         parts = []
         for request_id in request_ids[:limit]:
             if request_id in claimed:
                 parts.append(f"{request_id} (claimed by {claimed[request_id]})")
-            elif self.spool.request_path(request_id).exists():
+            elif name_for_id(request_id) in queued:
                 parts.append(f"{request_id} (queued)")
             else:
                 parts.append(f"{request_id} (not in the spool)")

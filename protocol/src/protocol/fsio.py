@@ -50,14 +50,34 @@ def link_no_replace(scratch: Path, final: Path) -> bool:
 
     Returns True when this call created `final`. link() fails with EEXIST rather than replace,
     which is what makes "the first result wins" hold between racing writers.
+
+    Over NFSv3 a link() whose reply was lost is sent again, and the retry fails with EEXIST
+    although the first attempt made the link. So on EEXIST a `final` with the same content as
+    `scratch` counts as ours (a racing writer's file differs: it names its writer and its time).
     """
     try:
         os.link(scratch, final)
         return True
     except FileExistsError:
-        return False
+        return _same_content(scratch, final)
     finally:
         os.unlink(scratch)
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether two files hold the same bytes (False when either is gone)."""
+    try:
+        if os.path.getsize(a) != os.path.getsize(b):
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                chunk = fa.read(1 << 20)
+                if chunk != fb.read(1 << 20):
+                    return False
+                if not chunk:
+                    return True
+    except FileNotFoundError:
+        return False
 
 
 def publish(scratch_dir: Path, final: Path, data: bytes, *, replace: bool = False, durable: bool = True) -> bool:

@@ -30,18 +30,37 @@ Guarantees (each has a test in tests/unit/test_spool.py):
    Workers check that their claim still exists before they publish.
 5. The directory listing is the truth: `pending()` scans, and file events only wake scanners.
 6. Every wait that involves this module is bounded (see client.py).
+
+On a network filesystem (NFS, Lustre, CephFS, sshfs) several hosts share the spool, and three
+local habits fail there:
+
+- A name looked up while absent may stay absent on that host for as long as its negative lookup
+  cache holds (NFS: until the directory's attributes are revalidated; FUSE: negative_timeout),
+  however long ago another host created it. So names in results/, requests/, claimed/ and bad/
+  are found by listing their directory, and opened only once a listing shows them
+  (`read_results`, `has_result`, `locate`, the client's wait). done/ is the exception: it grows
+  without bound between prunes, so it is never listed on a request's path; its names are
+  looked up, and a host mostly looks there for what it moved there itself (a producer for the
+  results it consumed). On NFS, `lookupcache=positive` removes the remaining window.
+- link() over NFSv3 may report EEXIST for a link it made (a retransmitted request): see
+  fsio.link_no_replace, which recognises its own file.
+- Hosts' clocks differ, and some filesystems stamp mtimes with the writer's clock: a lease is
+  judged by whether the heartbeat changes as this process sees it, on its own clock (leases.py).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import fsio
+from .leases import HeartbeatWatch, Seen
 from .messages import (
     ErrorCode,
     MessageError,
@@ -149,11 +168,27 @@ def _scan(directory: Path) -> list[Entry]:
     return entries
 
 
+def _read(path: Path) -> bytes | None:
+    """The content of `path`, or None when it is not there."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _read_listed(path: Path, listed: set[str]) -> bytes | None:
+    """The content of `path` if a listing of its directory showed it and it is still there."""
+    return _read(path) if path.name in listed else None
+
+
 class Spool:
     """A spool rooted at one directory. Cheap to construct; holds no open files."""
 
-    def __init__(self, root: str | os.PathLike, *, create: bool = False):
+    def __init__(self, root: str | os.PathLike, *, create: bool = False, clock: Callable[[], float] = time.monotonic):
+        """`clock`: this observer's monotonic clock, by which heartbeat ages are judged."""
         self.root = Path(root).absolute()
+        self._workers_watch = HeartbeatWatch(clock)  # by status file name
+        self._claims_watch = HeartbeatWatch(clock)  # claims without a readable status, by name
         for state in STATES:
             setattr(self, state, self.root / state)
         if create:
@@ -245,10 +280,10 @@ class Spool:
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
             raise RequestExists(f"request ids {repeated} appear more than once in this batch")
-        claimed = {split_claimed_name(e.name)[0] for e in _scan(self.claimed)}  # listed once per batch
+        listing = self.listing()  # once per batch
         for request in requests:
             validate(request)
-            found = self.locate(request.request_id, claimed_names=claimed)
+            found = self.locate(request.request_id, listing=listing)
             if found:
                 raise RequestExists(
                     f"request id {request.request_id!r} is already used in {self.root} "
@@ -275,13 +310,21 @@ class Spool:
 
     def read_result(self, request_id: str) -> Result | None:
         """The result for `request_id`, from results/ or, once consumed, from done/."""
-        for path in (self.result_path(request_id), self.consumed_result_path(request_id)):
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                continue
-            return decode_result(data)
-        return None
+        return self.read_results([request_id]).get(request_id)
+
+    def read_results(self, request_ids: list[str], listing: dict[str, set[str]] | None = None) -> dict[str, Result]:
+        """The results there are for `request_ids`, by id, from results/ or, once consumed,
+        from done/. results/ is listed once (or `listing["results"]` is used) and only listed
+        names are opened; done/ is never listed (see the module docstring)."""
+        found: dict[str, Result] = {}
+        listed = listing["results"] if listing is not None else set(os.listdir(self.results))
+        for request_id in request_ids:
+            data = _read_listed(self.result_path(request_id), listed)
+            if data is None:  # consumed, before or since the listing
+                data = _read(self.consumed_result_path(request_id))
+            if data is not None:
+                found[request_id] = decode_result(data)
+        return found
 
     def consume_result(self, request_id: str) -> None:
         """Move a read result out of results/ into done/, where pruning will find it."""
@@ -291,11 +334,23 @@ class Spool:
             pass
 
     def has_result(self, request_id: str) -> bool:
-        return os.path.lexists(self.result_path(request_id)) or os.path.lexists(self.consumed_result_path(request_id))
+        """Whether results/ holds a result for `request_id` (listed), or done/ a consumed one
+        (looked up by name: done/ is never listed)."""
+        if self.result_path(request_id).name in os.listdir(self.results):
+            return True
+        return os.path.lexists(self.consumed_result_path(request_id))
 
-    def locate(self, request_id: str, claimed_names: set[str] | None = None) -> list[Path]:
-        """Every file of this request id, in any state. `claimed_names` (original names of the
-        entries in claimed/) saves a listing when many ids are located at once."""
+    def listing(self, states: tuple[str, ...] = ("requests", "claimed", "results", "bad")) -> dict[str, set[str]]:
+        """The names in each of `states`, one listing each."""
+        return {state: set(os.listdir(self.root / state)) for state in states}
+
+    def locate(
+        self, request_id: str, claimed_names: set[str] | None = None, *, listing: dict[str, set[str]] | None = None
+    ) -> list[Path]:
+        """Every file of this request id, in any state: found in listings, but in done/ (never
+        listed) by name. `listing` (from `listing()`) saves listings when many ids are located
+        at once; `claimed_names` (original names of the entries in claimed/) too."""
+        listing = listing or self.listing()
         name = name_for_id(request_id)
         candidates = [
             self.request_path(request_id),
@@ -304,9 +359,11 @@ class Spool:
             self.consumed_result_path(request_id),
             self.bad_path(name),
         ]
-        found = [p for p in candidates if os.path.lexists(p)]
+        found = [
+            p for p in candidates if (p.name in listing[p.parent.name] if p.parent != self.done else os.path.lexists(p))
+        ]
         if claimed_names is None or name in claimed_names:
-            found += [e.path for e in _scan(self.claimed) if split_claimed_name(e.name)[0] == name]
+            found += [self.claimed / c for c in sorted(listing["claimed"]) if split_claimed_name(c)[0] == name]
         return found
 
     # -- workers -------------------------------------------------------------------------------
@@ -492,23 +549,61 @@ class Spool:
                 out.append((entry, None))
         return out
 
+    def filesystem_now(self) -> float:
+        """Now by the clock that stamps this spool's files (the file server's on NFS and sshfs,
+        the writer's on Lustre): the mtime of a file just written in tmp/."""
+        probe = self.scratch_path(".clock")
+        fsio.write_synced(probe, b"", fsync=False)
+        try:
+            return os.stat(probe).st_mtime
+        finally:
+            os.unlink(probe)
+
+    def heartbeats(self) -> list[tuple[Entry, WorkerStatus | None, Seen]]:
+        """Every status file, its content (None when unreadable), and what this Spool's observer
+        has seen of it (leases.py: ages by change, on this process's clock)."""
+        fs_now = functools.cache(self.filesystem_now)  # asked once, and only at a first sight
+        out = []
+        for entry, status in self.statuses():
+            signature = (entry.mtime, entry.size, status.heartbeat_at if status is not None else None)
+            seen = self._workers_watch.look(entry.name, signature, lambda e=entry: fs_now() - e.mtime)
+            out.append((entry, status, seen))
+        self._workers_watch.forget_all_but({entry.name for entry, _, _ in out})
+        return out
+
     def live_workers(self, now: float | None = None) -> list[WorkerStatus]:
-        now = time.time() if now is None else now
-        return [s for e, s in self.statuses() if s is not None and now - e.mtime <= s.lease_s]
+        """Workers whose heartbeat changed within their lease, as this observer saw it (a first
+        sight counts the heartbeat's age on the filesystem's clock). `now` judges as if the
+        wall clock read `now`."""
+        ahead = 0.0 if now is None else now - time.time()
+        watch = self._workers_watch
+        return [s for _, s, seen in self.heartbeats() if s is not None and watch.age(seen, ahead) <= s.lease_s]
 
     def recover_stale(self, default_lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> list[str]:
         """Put back in requests/ every claim whose worker is dead; returns their names.
 
-        A worker is dead when its status file is older than its own lease, or, without a
-        readable status file, when the claim itself is older than `default_lease_s`.
+        A worker is dead when its heartbeat (its status file) has not changed for its own
+        lease, as this observer saw it, and the observer watched it stand still for at least
+        half the lease (leases.py: a first look never takes claims). A claim without a
+        readable status file is judged the same way by the claim itself and `default_lease_s`.
+        `now` judges as if the wall clock read `now` (the time since passing without change).
         """
-        now = time.time() if now is None else now
-        heartbeats = {s.worker_id: (e.mtime, s.lease_s) for e, s in self.statuses() if s is not None}
+        ahead = 0.0 if now is None else now - time.time()
+        heartbeats = {s.worker_id: (seen, s.lease_s) for _, s, seen in self.heartbeats() if s is not None}
+        fs_now = functools.cache(self.filesystem_now)  # asked once, and only at a first sight
+        claims = _scan(self.claimed)
+        self._claims_watch.forget_all_but({entry.name for entry in claims})
         recovered = []
-        for entry in _scan(self.claimed):
+        for entry in claims:
             original, worker_id = split_claimed_name(entry.name)
-            beat, lease = heartbeats.get(worker_id, (entry.ctime, default_lease_s))
-            if now - beat <= lease:
+            if worker_id in heartbeats:
+                seen, lease = heartbeats[worker_id]
+                watch = self._workers_watch
+            else:
+                age = lambda e=entry: fs_now() - e.ctime  # noqa: E731
+                seen, lease = self._claims_watch.look(entry.name, (entry.ctime, entry.mtime), age), default_lease_s
+                watch = self._claims_watch
+            if not watch.dead(seen, lease, ahead):
                 continue
             try:
                 os.rename(entry.path, self.requests / original)
