@@ -1,5 +1,6 @@
-"""Run by the FSDP test under `torchrun --nproc_per_node=2`: one training run whose config comes
-as JSON in argv[1], sampled by the deterministic test sampler on rank 0."""
+"""Run by the FSDP tests under torchrun: one training run whose config comes as JSON in argv[1],
+sampled by the deterministic test sampler on rank 0, or, with `--through-spool`, by the rollout
+service through the spool the config names (served by spool_server.SpoolServer)."""
 
 import sys
 from pathlib import Path
@@ -18,4 +19,5 @@ from trainer_svc.run import exit_process  # noqa: E402
 
 if __name__ == "__main__":
     cfg = msgspec.json.decode(Path(sys.argv[1]).read_bytes(), type=Config)
-    exit_process(train(cfg, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)))
+    through_spool = "--through-spool" in sys.argv[2:]
+    exit_process(train(cfg, make_sampler=None if through_spool else lambda cfg, launch_id: TorchSampler(cfg)))
