@@ -5,6 +5,8 @@
 Removes runs/demo and build/tiny-model, runs `make demo`, and reports the wall time (venvs
 already built), the GRPO stage's mean reward over its first and last 10 steps, and where a
 step's time goes. Targets: at most 15 minutes; last-10 mean at least 0.3 above first-10 mean.
+The reward is each step's first sampling (reward_first: the policy's own estimate, before dead
+groups are replaced); the trained batch's (reward_trained) is reported beside it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def main() -> None:
         "reward_first_10": round(s["reward_first"], 3),
         "reward_last_10": round(s["reward_last"], 3),
         "gain": round(s["reward_gain"], 3),
+        "reward_trained_last_10": round(statistics.fmean(r["reward_trained"] for r in rows[-10:]), 3),
+        "ahead": result["banner"]["shape"].get("ahead"),
+        "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in rows), 3),
+        "dropped_stale": sum(r["dropped_stale"] for r in rows),
         "met": minutes <= TARGET_MINUTES and s["reward_gain"] >= TARGET_GAIN,
         "median_step_s": round(statistics.median(r["step_s"] for r in rows), 3),
         "median_rollout_s": round(statistics.median(r["rollout_s"] for r in rows), 3),

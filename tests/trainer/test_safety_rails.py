@@ -329,6 +329,8 @@ def test_the_banner_records_what_the_run_starts_from(warm_model, tmp_path):
         "loss_denominator": "token",
         "optimizer_steps": 2,
         "grad_accum": 2,
+        "ahead": 0,
+        "fan_out": "one request per live worker",
     }
     assert banner["task"] == {"kind": "arithmetic", "train_problems": 90, "held_out": 10}
     assert banner["ceiling"] == {"perfect_rate": 1.0, "wrong_rate": 0.0, "n": 100}

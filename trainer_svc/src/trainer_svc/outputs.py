@@ -167,6 +167,8 @@ def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_fig
             "loss_denominator": cfg.loss.denominator,
             "optimizer_steps": cfg.train.steps,
             "grad_accum": cfg.train.grad_accum,
+            "ahead": cfg.rollout.ahead,
+            "fan_out": cfg.rollout.fan_out or "one request per live worker",
         },
         "ceiling": gate_figures["ceiling"],
         "topology": {
