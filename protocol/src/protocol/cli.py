@@ -170,7 +170,7 @@ def recover(
         float, typer.Option(help="Lease for claims whose worker left no status file (s).")
     ] = DEFAULT_LEASE_S,
 ) -> None:
-    """Give claims of dead workers (heartbeat older than their lease) back to requests/.
+    """Give claims of dead workers (heartbeat unchanged for their lease) back to requests/.
 
     A worker is dead once its heartbeat has stood still for half its lease as this command
     watched it (no clock of another host is trusted), so this takes that long."""

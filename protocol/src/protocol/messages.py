@@ -170,7 +170,8 @@ class WorkerCounters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`workers/<worker_id>.json`, rewritten by the worker at every heartbeat.
 
-    The file's mtime is the heartbeat. A worker whose file is older than its `lease_s` is dead:
+    The file is the heartbeat. A worker whose file has not changed for its `lease_s`, as another
+    process watched it (protocol/leases.py: no clocks of two hosts compared), is dead:
     its claims are put back in `requests/`.
     """
 

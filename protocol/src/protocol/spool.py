@@ -26,7 +26,8 @@ Guarantees (each has a test in tests/unit/test_spool.py):
    execution) and results are published with link(), which never replaces: the first result wins.
 3. A request file that cannot be accepted gets an error result (when its name is a valid id) and
    is moved to bad/; nothing raises out of the spool for bad input.
-4. A claim whose worker heartbeat is older than the worker's lease is put back in requests/.
+4. A claim whose worker heartbeat has not changed for the worker's lease, as this process saw it
+   (leases.py), is put back in requests/.
    Workers check that their claim still exists before they publish.
 5. The directory listing is the truth: `pending()` scans, and file events only wake scanners.
 6. Every wait that involves this module is bounded (see client.py).

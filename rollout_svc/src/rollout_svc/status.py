@@ -1,9 +1,10 @@
 """The worker's status file, the heartbeat thread that keeps it fresh, and the worker's counts.
 
-The status file's mtime is the lease: other processes give this worker's claims back to
-requests/ once it is older than `lease_s`. The heartbeat runs in its own thread so a long
-engine call does not starve it; if writing fails, `alive()` turns false and the worker loop
-stops publishing (a worker without a heartbeat may already have lost its claims).
+The status file is the lease: other processes give this worker's claims back to requests/ once
+it has not changed for `lease_s` as they watch it (protocol/leases.py). The heartbeat runs in
+its own thread so a long engine call does not starve it; if writing fails, `alive()` turns false
+and the worker loop stops publishing (a worker without a heartbeat may already have lost its
+claims).
 
 The worker counts in two places and nowhere else: the status file's `counters` (requests,
 samples, tokens) and a `Tally` of what the status file does not show (errors by code, reloads,

@@ -52,7 +52,7 @@ class WorkerConfig:
     """The worker's settings; `rollout-svc serve` takes its option defaults from here."""
 
     worker_id: str
-    lease_s: float = 30.0  # others recover our claims when our heartbeat is older than this
+    lease_s: float = 30.0  # others recover our claims when our heartbeat stands still this long
     heartbeat_s: float = 2.0
     idle_exit_s: float | None = 7200.0  # None: serve forever
     rescan_s: float = 1.0  # directory scan even without file events
