@@ -155,6 +155,32 @@ def run(args, checkpointing: bool, micro: int) -> dict:
     return row
 
 
+def profile(args) -> None:
+    """Where one step's GPU time goes, by kernel (after a warm-up step)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    import trainer_svc.train_step as train_step_module
+
+    steps, real = [], train_step_module.train_step
+
+    def recorded(*a, **k):
+        if len(steps) == 1:
+            with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = real(*a, **k)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        else:
+            out = real(*a, **k)
+        steps.append(1)
+        return out
+
+    train_step_module.train_step = recorded
+    args.steps = 1
+    checkpointing = args.checkpointing.split(",")[0] == "on"
+    print(json.dumps(run(args, checkpointing, int(args.micro.split(",")[0]))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
@@ -164,9 +190,14 @@ def main() -> None:
     parser.add_argument("--micro", default="8,16", help="sequences per micro-batch, comma-separated")
     parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="profile one step of the first configuration")
     parser.add_argument("--json")
     args = parser.parse_args()
     import torch
+
+    if args.profile:
+        profile(args)
+        return
 
     rows = []
     for checkpointing in [c == "on" for c in args.checkpointing.split(",")]:

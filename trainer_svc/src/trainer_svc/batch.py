@@ -26,8 +26,15 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, index: slice) -> Batch:
+    def select(self, index: slice | torch.Tensor) -> Batch:
         return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def by_length(self) -> Batch:
+        """The same sequences, shortest first: micro-batches cut from it then hold sequences of
+        similar lengths, and trimmed() drops more padding. (A step's loss is a sum over its
+        sequences, so their order changes nothing but the rounding of sums.)"""
+        order = torch.argsort(self.attention_mask.sum(dim=1), stable=True)
+        return self.select(order)
 
     def trimmed(self) -> Batch:
         """The same sequences without the padding columns no sequence of this batch reaches

@@ -91,7 +91,7 @@ def train_step(
     micro-batch has been through it: each micro-batch's own logprobs, detached, ARE the old
     ones, and no separate forward pass is needed (it cost a quarter of the step's compute)."""
     model.train()
-    micro = [mb.trimmed() for mb in micro_batches(batch, cfg.train.grad_accum)]
+    micro = [mb.trimmed() for mb in micro_batches(batch.by_length(), cfg.train.grad_accum)]
     ref = old_logprobs(reference, micro, cfg) if reference is not None else None
     scale = grpo.rank_scale(dist_info.world_size)
     sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "weight": 0.0}
