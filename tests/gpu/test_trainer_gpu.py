@@ -117,7 +117,7 @@ def check_learned(run_dir: Path, done: subprocess.CompletedProcess) -> None:
     assert os.listdir(run_dir / "spool" / "claimed") == [] and not list((run_dir / "spool" / "workers").iterdir())
 
 
-def test_one_gpu_colocated_learns_and_the_worker_sleeps_between_steps(warm):
+def test_one_gpu_colocated_learns_beside_a_worker_in_sleep_mode(warm):
     base_dir, base, model = warm
     run_dir = base_dir / "colocated"
     config = write_config(base_dir / "colocated.toml", run_dir, model, base, steps=STEPS, extra="colocate = true")
