@@ -76,6 +76,15 @@ def test_config_refuses_a_publish_cadence_beyond_the_allowed_policy_lag(cfg):
     refused("config", gates.check_config, replace(lagging, rollout={"max_policy_lag": 1}), world_size=1)
 
 
+def test_config_refuses_requests_sent_further_ahead_than_the_allowed_policy_lag(cfg):
+    ahead = replace(cfg, rollout={"ahead": 2, "max_policy_lag": 1})
+    message = refused("config", gates.check_config, ahead, world_size=1)
+    assert "rollout.ahead = 2" in message and "up to 2 steps old" in message
+    gates.check_config(replace(cfg, rollout={"ahead": 2, "max_policy_lag": 2}), world_size=1)
+    both = replace(cfg, rollout={"ahead": 1, "max_policy_lag": 2}, publish={"every": 3})
+    assert "up to 3 steps old" in refused("config", gates.check_config, both, world_size=1)
+
+
 def test_config_refuses_an_armed_canary_with_too_few_held_out_problems(cfg):
     assert cfg.data.held_out == 10
     armed = replace(cfg, canary={"every": 2, "problems": 11})
