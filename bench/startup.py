@@ -44,6 +44,7 @@ def write_config(path: Path, run_dir: Path) -> Path:
     text = text.replace('dir = "runs/demo"', f'dir = "{run_dir}"')
     text = text.replace('path = "runs/demo/sft-model"', f'path = "{MODEL}"')
     text = re.sub(r"(?m)^steps = \d+", "steps = 2", text)
+    text = re.sub(r"(?m)^(ahead|max_policy_lag) = \d+.*\n", "", text)  # keys the "before" code may not know
     text = text.replace('base = "build/tiny-model"', f'base = "{ROOT / "build" / "tiny-model"}"')
     text = text.replace("[rollout]\n", f'[rollout]\nrollout_venv = "{ROOT / ".venvs" / "rollout"}"\n', 1)
     path.write_text(text)
