@@ -240,3 +240,32 @@ def test_the_reload_check_sums_row_blocks_spread_over_each_tensor(shape):
     else:
         assert len(blocks) == PROBE_BLOCKS
         assert all((b - a) * per_row <= PROBE_BLOCK_ELEMENTS for a, b in blocks)
+
+
+def test_a_tokenizer_identical_to_the_live_one_is_not_loaded_again(engine, models, monkeypatch, tmp_path):
+    """Each publish carries the same tokenizer files: checked once, when the engine took them.
+    Other files are loaded and checked; a config whose vocabulary is smaller than the known
+    tokenizer is still refused."""
+    import transformers
+
+    loads = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda path, *a, **k: loads.append(path) or real(path, *a, **k)
+    )
+    e = engine()
+    e.load(str(models["a"]))
+    e.load(str(models["b"]))
+    assert loads == [os.path.realpath(models["a"])]
+    e.load(str(models["retok"]))
+    assert loads[-1] == os.path.realpath(models["retok"])
+    small = models["root"] / "small-vocab"
+    small.mkdir()
+    for f in models["retok"].iterdir():
+        (small / f.name).write_bytes(f.read_bytes())
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = e.tokenizer_size - 1
+    (small / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="the tokenizer has .* tokens but the model's vocab_size"):
+        e.load(str(small))
+    assert len(loads) == 2
