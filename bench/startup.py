@@ -35,6 +35,7 @@ def export(rev: str, into: Path) -> Path:
     archive = subprocess.run(
         ["git", "archive", rev, "trainer_svc/src", "protocol/src"], cwd=ROOT, check=True, capture_output=True
     ).stdout
+    into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
 
