@@ -40,7 +40,7 @@ def write_config(path: Path, run_dir: Path, steps: int, rollout_keys: str) -> Pa
     text = text.replace('dir = "runs/demo"', f'dir = "{run_dir}"')
     text = text.replace('path = "runs/demo/sft-model"', f'path = "{MODEL}"')
     text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
-    text = re.sub(r"(?m)^(ahead|max_policy_lag) = \d+\n", "", text)  # set below, per setting
+    text = re.sub(r"(?m)^(ahead|max_policy_lag) = \d+.*\n", "", text)  # set below, per setting
     text = text.replace('base = "build/tiny-model"', f'base = "{ROOT / "build" / "tiny-model"}"')
     rollout = f'[rollout]\nrollout_venv = "{ROOT / ".venvs" / "rollout"}"\n{rollout_keys}'
     path.write_text(text.replace("[rollout]\n", rollout, 1))
