@@ -5,8 +5,9 @@ metrics line, for the trainer code of two git revisions, alternating, in one run
 
 Each launch is a fresh run directory on the demo's config (configs/demo.toml, 2 steps) from the
 demo's warm-up model (runs/demo/sft-model: run `make demo` once first). "before" runs the trainer
-and protocol packages of REV (exported with `git archive`, put first on PYTHONPATH); "after" runs
-the working tree. Both spawn the same rollout worker (the rollout venv). The launch's own log
+package of REV (exported with `git archive`, put first on PYTHONPATH) with today's protocol
+package, which the worker speaks; "after" runs the working tree. Both spawn the same rollout
+worker (the rollout venv). The launch's own log
 lines split the time: gates, model load and restore, the spawned worker's engine start, the
 step-0 canary, the first step.
 """
@@ -31,9 +32,9 @@ MODEL = ROOT / "runs" / "demo" / "sft-model"
 
 
 def export(rev: str, into: Path) -> Path:
-    """The trainer and protocol sources of `rev`, unpacked under `into`."""
+    """The trainer sources of `rev`, unpacked under `into`."""
     archive = subprocess.run(
-        ["git", "archive", rev, "trainer_svc/src", "protocol/src"], cwd=ROOT, check=True, capture_output=True
+        ["git", "archive", rev, "trainer_svc/src"], cwd=ROOT, check=True, capture_output=True
     ).stdout
     into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
@@ -58,7 +59,7 @@ def launch(source: Path | None, work: Path, label: str) -> dict:
     config = write_config(work / f"{label}.toml", run_dir)
     env = dict(os.environ)
     if source is not None:
-        env["PYTHONPATH"] = f"{source / 'trainer_svc' / 'src'}:{source / 'protocol' / 'src'}"
+        env["PYTHONPATH"] = str(source / "trainer_svc" / "src")
     log_path = work / f"{run_dir.name}.log"
     started = time.monotonic()
     with open(log_path, "w") as log:
@@ -70,7 +71,7 @@ def launch(source: Path | None, work: Path, label: str) -> dict:
             first_step = time.monotonic() - started
         time.sleep(0.05)
     if proc.returncode != 0:
-        raise RuntimeError(f"{label} launch failed ({proc.returncode}); see {log_path}")
+        raise RuntimeError(f"{label} launch failed ({proc.returncode}): {log_path.read_text()[-3000:]}")
     if first_step is None:  # the two steps were done between two looks
         first_step = time.monotonic() - started
     shutil.rmtree(run_dir, ignore_errors=True)
