@@ -39,10 +39,10 @@ local habits fail there:
   cache holds (NFS: until the directory's attributes are revalidated; FUSE: negative_timeout),
   however long ago another host created it. So names in results/, requests/, claimed/ and bad/
   are found by listing their directory, and opened only once a listing shows them
-  (`read_results`, `has_result`, `locate`, the client's wait). done/ is the exception: it grows
-  without bound between prunes, so it is never listed on a request's path; its names are
-  looked up, and a host mostly looks there for what it moved there itself (a producer for the
-  results it consumed). On NFS, `lookupcache=positive` removes the remaining window.
+  (`read_results`, `locate`, the client's wait; `has_result` says why it need not). done/ is
+  the exception: it grows without bound between prunes, so it is never listed on a request's
+  path; its names are looked up, and a host mostly looks there for what it moved there itself
+  (a producer for the results it consumed). On NFS, `lookupcache=positive` closes that gap.
 - link() over NFSv3 may report EEXIST for a link it made (a retransmitted request): see
   fsio.link_no_replace, which recognises its own file.
 - Hosts' clocks differ, and some filesystems stamp mtimes with the writer's clock: a lease is
@@ -335,11 +335,12 @@ class Spool:
             pass
 
     def has_result(self, request_id: str) -> bool:
-        """Whether results/ holds a result for `request_id` (listed), or done/ a consumed one
-        (looked up by name: done/ is never listed)."""
-        if self.result_path(request_id).name in os.listdir(self.results):
-            return True
-        return os.path.lexists(self.consumed_result_path(request_id))
+        """Whether results/ or done/ holds a result for `request_id`. Looked up by name: a worker
+        asks for every request it claims, and a listing each time would cost it O(results/).
+        A host's negative cache can only make this say no wrongly; then the request runs once
+        more, and its publish still keeps the first result: link() asks the server, and a
+        consumed result in done/ is checked as the module docstring says of done/."""
+        return os.path.lexists(self.result_path(request_id)) or os.path.lexists(self.consumed_result_path(request_id))
 
     def listing(self, states: tuple[str, ...] = ("requests", "claimed", "results", "bad")) -> dict[str, set[str]]:
         """The names in each of `states`, one listing each."""
