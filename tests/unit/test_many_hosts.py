@@ -33,6 +33,19 @@ def two_hosts(storages, tmp_path) -> tuple[Spool, Spool]:
     return Spool(on_a, create=True), Spool(on_b)
 
 
+def test_mount_tests_refuse_loudly_where_fuse_or_a_tool_is_missing(monkeypatch):
+    import netfs
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(netfs.os.path, "exists", lambda p: p != "/dev/fuse" and real_exists(p))
+    monkeypatch.setattr(netfs.shutil, "which", lambda tool: None if tool == "bindfs" else f"/usr/bin/{tool}")
+    with pytest.raises(pytest.fail.Exception) as info:
+        netfs.require("bindfs")
+    message = str(info.value)
+    assert "cannot mount bindfs" in message and "/dev/fuse" in message and "bindfs" in message
+    assert "apt-get install -y sshfs openssh-server bindfs" in message
+
+
 # -- lookups that no negative cache can stall ------------------------------------------------------
 
 
