@@ -105,8 +105,8 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
     assert result["checkpoint"].endswith(f"step_{STEPS:08d}")
     # The weight sync worked: results came from the published weights, engine and trainer agreeing.
     # Measured: a fresh sync gives mismatch_max 7e-6 over these 150 steps; a sync one step stale
-    # (publish.every = 2, lr 1e-4) gives 0.20 to 1.8 on each stale step. The bound sits between,
-    # 140 x above the first and 200 x below the least of the second.
+    # (publish.every = 2, lr 1e-4) gives 0.20 to 1.8 on each stale step (bench/sync_mismatch.py).
+    # The bound sits between, 140 x above the first and 200 x below the least of the second.
     assert result["summary"]["mismatch_max"] < 1e-3
     assert sorted(p.name for p in (learned_dir / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in (100, STEPS)]
     published = sorted(p.name for p in (learned_dir / "weights").iterdir())

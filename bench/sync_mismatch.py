@@ -1,0 +1,94 @@
+"""Trainer/engine logprob mismatch with a fresh weight sync and with one a step stale: the figures
+behind the bound of tests/e2e/test_trainer_smoke.py.
+
+    .venvs/rollout/bin/python bench/sync_mismatch.py [--steps 20] [--keep DIR]
+
+The smoke test's setting (tiny model warmed up by `trainer-svc sft`, 16 prompts x 8 samples,
+lr 1e-4, a spawned vLLM worker). "fresh" publishes every step, so each step samples from the
+weights it trains; "stale" publishes every second step (publish.every = 2, max_policy_lag = 1),
+so every second step samples from weights one optimizer step old. Per step: mismatch_max, the
+largest |trainer logprob - engine sampling logprob| over the step's tokens. A bound on the
+smoke test's mismatch_max must sit above every fresh figure and below every stale step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+
+
+def config(path: Path, run_dir: Path, model: Path, base: Path, steps: int, publish_every: int) -> Path:
+    path.write_text(f"""
+[run]
+dir = "{run_dir}"
+seed = 1
+
+[model]
+path = "{model}"
+
+[sft]
+base = "{base}"
+problems = 200
+stop_at_accuracy = 0.3
+
+[data]
+arithmetic_high = 20
+held_out = 41
+
+[rollout]
+prompts_per_step = 16
+samples_per_prompt = 8
+max_tokens = 4
+max_policy_lag = {publish_every - 1}
+rollout_venv = "{ROOT / ".venvs" / "rollout"}"
+worker_args = ["--max-model-len", "64"]
+
+[train]
+steps = {steps}
+lr = 1e-4
+
+[publish]
+every = {publish_every}
+""")
+    return path
+
+
+def trainer(*args: str) -> None:
+    done = subprocess.run([str(TRAINER), *args], capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"trainer-svc {' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--keep", type=Path, default=None, help="work here and keep the runs")
+    args = parser.parse_args()
+    base_dir = args.keep or Path(tempfile.mkdtemp(prefix="sync-mismatch-"))
+    tiny, model = base_dir / "tiny", base_dir / "sft-model"
+    if not tiny.exists():
+        subprocess.run([str(ROOT / ".venvs/rollout/bin/rollout-svc"), "tiny-model", str(tiny)], check=True)
+    if not model.exists():
+        trainer("sft", str(config(base_dir / "sft.toml", base_dir / "sft-run", model, tiny, args.steps, 1)))
+    figures = {}
+    for name, every in (("fresh", 1), ("stale", 2)):
+        run_dir = base_dir / name
+        trainer("train", str(config(base_dir / f"{name}.toml", run_dir, model, tiny, args.steps, every)))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        figures[name] = {row["step"]: row["mismatch_max"] for row in rows}
+    fresh = list(figures["fresh"].values())
+    # With publish.every = 2, the steps after an odd step sample from weights one step old.
+    stale = [v for step, v in figures["stale"].items() if step % 2 == 0]
+    print(json.dumps(figures, indent=1))
+    print(f"fresh sync: mismatch_max {min(fresh):.2e} to {max(fresh):.2e} over {len(fresh)} steps")
+    print(f"one step stale: mismatch_max {min(stale):.2e} to {max(stale):.2e} over its {len(stale)} stale steps")
+
+
+if __name__ == "__main__":
+    main()
