@@ -33,6 +33,8 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import msgspec
+
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
 from protocol.spool import Spool, id_from_name, split_claimed_name
@@ -238,8 +240,12 @@ class RolloutService:
 
     def restore(self, ticket: Ticket) -> None:
         """Take over a call a previous launch made: its results already in the spool are used, its
-        requests still queued or claimed are awaited, and only those the spool lost are sent."""
-        self._send(self._requests(ticket))
+        requests still queued or claimed are awaited, and only those the spool lost are sent (under
+        the ticket's own ids, which `collect` waits for)."""
+        requests = self._requests(ticket)
+        self._send(
+            [msgspec.structs.replace(r, request_id=i) for r, i in zip(requests, ticket.request_ids, strict=True)]
+        )
 
     def collect(self, ticket: Ticket) -> list[Group]:
         """The groups of a submitted call, in prompt order, once every request has its result."""
