@@ -133,7 +133,7 @@ def run(args, checkpointing: bool, micro: int) -> dict:
         totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
         synchronize()
         started = time.perf_counter()
-        train_step(model, None, optimizer, scheduler, batch, totals, cfg, dist_info)
+        train_step(model, None, optimizer, scheduler, [(batch, totals)], cfg, dist_info)
         synchronize()
         if step:
             seconds.append(time.perf_counter() - started)

@@ -64,6 +64,10 @@ def test_config_refuses_a_batch_that_does_not_split_into_ranks_and_micro_batches
     odd = replace(cfg, rollout={"prompts_per_step": 3, "samples_per_prompt": 3}, train={"grad_accum": 1})
     gates.check_config(odd, world_size=3)  # 9 over 3 ranks x 1
     assert "so that 2 divides 9" in refused("config", gates.check_config, odd, world_size=2)
+    updates = replace(cfg, train={"grad_accum": 2, "updates_per_batch": 2})
+    gates.check_config(updates, world_size=2)  # 2 updates x 2 ranks x 2 micro-batches divide 16
+    message = refused("config", gates.check_config, replace(cfg, train={"grad_accum": 2, "updates_per_batch": 3}), 1)
+    assert "train.updates_per_batch = 3 updates" in message and "so that 6 divides 16" in message
 
 
 def test_config_refuses_a_publish_cadence_beyond_the_allowed_policy_lag(cfg):

@@ -98,6 +98,10 @@ class TrainConfig(Struct):
     weight_decay: NonNegativeFloat = 0.0
     max_grad_norm: PositiveFloat = 1.0
     grad_accum: Positive = 1  # micro-batches per optimizer step (per rank)
+    # Optimizer steps per batch of rollouts (PPO-style minibatches): the step's sequences are
+    # split into this many parts, one update each, so later parts see a policy that moved and
+    # the clipped ratio acts. 1: one update, whose ratio is exactly 1.
+    updates_per_batch: Positive = 1
 
 
 class LossConfig(Struct):
@@ -107,6 +111,26 @@ class LossConfig(Struct):
     advantage_norm: Literal["std", "mean"] = "std"
     kl_coef: NonNegativeFloat = 0.0  # k3 KL to the starting model; 0 keeps no reference model
     dead_group_retries: NonNegative = 1  # resamples of all-equal-reward groups per step
+    # Correction for the engine sampling with other numerics or older weights than the trainer's
+    # old policy (trainer_svc.corrections): none; tis (weight min(ratio, correction_cap)); icepop
+    # (tokens with ratio outside [correction_low, correction_high] masked); sequence_mask
+    # (sequences whose geometric-mean ratio is outside that band masked). ratio = p_old / q_engine.
+    correction: Literal["none", "tis", "icepop", "sequence_mask"] = "none"
+    correction_cap: PositiveFloat = 2.0
+    correction_low: PositiveFloat = 0.5
+    correction_high: PositiveFloat = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.correction_low < 1 < self.correction_high:
+            raise ValueError(
+                f"loss.correction_low = {self.correction_low} and loss.correction_high = {self.correction_high} must "
+                "bracket 1 (low < 1 < high): a band without ratio 1 would mask the tokens engine and trainer agree on"
+            )
+        if self.correction_cap < 1:
+            raise ValueError(
+                f"loss.correction_cap = {self.correction_cap} is below 1: it would shrink the weight of tokens "
+                "engine and trainer agree on; use a cap >= 1 (2 is common)"
+            )
 
 
 class RewardConfig(Struct):
@@ -261,7 +285,11 @@ def smoke_shape(config: Config) -> Config:
         ),
         rollout=msgspec.structs.replace(config.rollout, prompts_per_step=4, samples_per_prompt=4),
         train=msgspec.structs.replace(
-            config.train, steps=3, grad_accum=min(config.train.grad_accum, 2), warmup_steps=0
+            config.train,
+            steps=3,
+            grad_accum=min(config.train.grad_accum, 2),
+            updates_per_batch=min(config.train.updates_per_batch, 2),
+            warmup_steps=0,
         ),
         publish=msgspec.structs.replace(config.publish, every=1),
         checkpoint=msgspec.structs.replace(config.checkpoint, every=1),

@@ -63,12 +63,14 @@ def run_all(
 def check_config(cfg: Config, world_size: int) -> None:
     r, t = cfg.rollout, cfg.train
     sequences = r.prompts_per_step * r.samples_per_prompt
-    if sequences % (world_size * t.grad_accum):
+    parts = world_size * t.grad_accum * t.updates_per_batch
+    if sequences % parts:
         raise GateRefused(
             "config",
             f"rollout.prompts_per_step x rollout.samples_per_prompt = {sequences} sequences do not split evenly "
-            f"into {world_size} ranks (torchrun --nproc_per_node) x train.grad_accum = {t.grad_accum}; change one of "
-            f"them so that {world_size * t.grad_accum} divides {sequences}",
+            f"into train.updates_per_batch = {t.updates_per_batch} updates x {world_size} ranks (torchrun "
+            f"--nproc_per_node) x train.grad_accum = {t.grad_accum}; change one of them so that {parts} divides "
+            f"{sequences}",
         )
     lag = r.ahead + cfg.publish.every - 1
     if lag > r.max_policy_lag:

@@ -1,11 +1,17 @@
-"""One optimizer step of GRPO over this rank's share of the step's sequences.
+"""One training step of GRPO: the step's sequences, in `train.updates_per_batch` updates, over
+this rank's share of each.
 
-    old logprobs (no grad, the policy before the update) -> per micro-batch: logprobs,
-    clipped surrogate with the step's fixed token weights (+ k3 KL) -> backward, accumulate
-    -> clip the gradient norm -> optimizer and scheduler step
+    per update (a part of the step's sequences; one part by default):
+        per micro-batch: logprobs, correction of the engine/trainer gap (trainer_svc.corrections),
+        clipped surrogate with the update's fixed token weights (+ k3 KL) -> backward, accumulate
+        -> clip the gradient norm -> optimizer step
+    -> scheduler step (the learning rate moves once per training step)
 
-The token weights are computed from the whole step (all ranks, all micro-batches), so the
-gradient is the same however the step is split (see grpo.token_weights and grpo.rank_scale).
+The old policy's logprobs are those of the model before the step's first update: with one
+update they are each micro-batch's own logprobs, detached (the model does not change before
+every micro-batch has been through it); with several, a no-grad pass computes them first.
+The token weights are computed from the whole update (all ranks, all micro-batches), so its
+gradient is the same however it is split (see grpo.token_weights and grpo.rank_scale).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import grpo
+from . import corrections, grpo
 from .batch import Batch, collate, micro_batches, rank_share
 from .config import Config
 from .model import Distributed
@@ -31,6 +37,10 @@ _NOTHING_LEARNED = {
     "grad_norm": 0.0,
     "mismatch_mean": 0.0,
     "mismatch_max": 0.0,
+    "ratio_mean": 0.0,
+    "ratio_max": 0.0,
+    "corrected_fraction": 0.0,
+    "kl_engine": 0.0,
 }
 
 
@@ -47,7 +57,7 @@ class Policy:
 
 @dataclass
 class StepTotals:
-    """The whole step's sizes, which fix the loss denominators."""
+    """The sizes of a whole update (all ranks), which fix its loss denominators."""
 
     tokens: int
     sequences: int
@@ -70,87 +80,110 @@ def old_logprobs(model, micro: list[Batch], cfg: Config) -> list[torch.Tensor]:
 
 
 def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distributed) -> dict:
-    """One optimizer step on the step's rollouts (every rank takes its share); returns the step's
-    statistics, over all ranks, the same on every rank."""
+    """The step's updates on its rollouts (every rank takes its share of each); returns the
+    step's statistics, over all ranks, the same on every rank."""
     batch = collate(rollouts.groups, rollouts.advantages, policy.pad_id)
-    totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
-    if totals.tokens == 0:  # nothing was generated: no loss to take, the tripwire judges the step
+    if int(batch.mask.sum()) == 0:  # nothing was generated: no loss to take, the tripwire judges the step
         policy.scheduler.step()
         return {**_NOTHING_LEARNED, "lr": policy.scheduler.get_last_lr()[0]}
-    share = rank_share(batch, dist_info.rank, dist_info.world_size).to(dist_info.device)
-    return train_step(policy.model, policy.reference, policy.optimizer, policy.scheduler, share, totals, cfg, dist_info)
+    updates = []
+    for part in micro_batches(batch, cfg.train.updates_per_batch):  # whole prompts' groups stay together
+        totals = StepTotals(tokens=int(part.mask.sum()), sequences=len(part))
+        updates.append((rank_share(part, dist_info.rank, dist_info.world_size).to(dist_info.device), totals))
+    return train_step(policy.model, policy.reference, policy.optimizer, policy.scheduler, updates, cfg, dist_info)
 
 
 def train_step(
-    model, reference, optimizer, scheduler, batch: Batch, totals: StepTotals, cfg: Config, dist_info: Distributed
+    model, reference, optimizer, scheduler, updates: list[tuple[Batch, StepTotals]], cfg: Config, dist_info
 ) -> dict:
-    """Update the policy on `batch` (this rank's share); returns the step's statistics.
-
-    The old policy's logprobs (the ratio's denominator) are those of the model before this
-    update. The whole batch is one update, so the model does not change until every
-    micro-batch has been through it: each micro-batch's own logprobs, detached, ARE the old
-    ones, and no separate forward pass is needed (it cost a quarter of the step's compute)."""
+    """The step's updates, each on this rank's share of a part of the step with that part's
+    totals; returns the step's statistics (sums over updates, micro-batches and ranks)."""
     model.train()
-    micro = [mb.trimmed() for mb in micro_batches(batch.by_length(), cfg.train.grad_accum)]
-    ref = old_logprobs(reference, micro, cfg) if reference is not None else None
+    loss_cfg = cfg.loss
+    parts = [[mb.trimmed() for mb in micro_batches(share.by_length(), cfg.train.grad_accum)] for share, _ in updates]
+    old = [old_logprobs(model, micro, cfg) for micro in parts] if len(parts) > 1 else None
+    ref = [old_logprobs(reference, micro, cfg) for micro in parts] if reference is not None else None
     scale = grpo.rank_scale(dist_info.world_size)
-    sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "weight": 0.0}
-    sums |= {"tokens": 0.0, "mismatch": 0.0}
-    mismatch_max = 0.0
-    for i, mb in enumerate(micro):
-        weights = grpo.token_weights(
-            mb.mask,
-            cfg.loss.denominator,
-            step_tokens=totals.tokens,
-            step_sequences=totals.sequences,
-            max_tokens=cfg.rollout.max_tokens,
-        )
-        logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature)
-        old = logp.detach()
-        loss, stats = grpo.clipped_policy_loss(logp, old, mb.advantages, weights, cfg.loss.clip_low, cfg.loss.clip_high)
-        if ref is not None:
-            kl = grpo.kl_penalty(logp, ref[i], weights, 1.0)
-            loss = loss + cfg.loss.kl_coef * kl
-            sums["kl"] += float(kl)
-        (loss * scale).backward()
-        tokens = float(mb.mask.sum())
-        mismatch = (old - mb.rollout_logprobs).abs() * mb.mask
-        sums["loss"] += float(loss.detach())
-        sums["entropy"] += float((weights * entropy).sum())
-        sums["weight"] += float(weights.sum())
-        sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
-        sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
-        sums["tokens"] += tokens
-        sums["mismatch"] += float(mismatch.sum())
-        mismatch_max = max(mismatch_max, float(mismatch.max()) if tokens else 0.0)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-    optimizer.step()
+    sums = dict.fromkeys(("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch"), 0.0)
+    sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum", "grad_norm"), 0.0)
+    peaks = {"mismatch_max": 0.0, "ratio_max": 0.0}
+    for u, ((_, totals), micro) in enumerate(zip(updates, parts, strict=True)):
+        for i, mb in enumerate(micro):
+            weights = grpo.token_weights(
+                mb.mask,
+                loss_cfg.denominator,
+                step_tokens=totals.tokens,
+                step_sequences=totals.sequences,
+                max_tokens=cfg.rollout.max_tokens,
+            )
+            logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature)
+            old_mb = logp.detach() if old is None else old[u][i]
+            log_r = corrections.log_ratio(old_mb, mb.rollout_logprobs, mb.mask)
+            c, changed = corrections.correction_weights(
+                log_r,
+                mb.mask,
+                loss_cfg.correction,
+                cap=loss_cfg.correction_cap,
+                low=loss_cfg.correction_low,
+                high=loss_cfg.correction_high,
+            )
+            loss, stats = grpo.clipped_policy_loss(
+                logp, old_mb, mb.advantages, weights * c, loss_cfg.clip_low, loss_cfg.clip_high
+            )
+            if ref is not None:
+                kl = grpo.kl_penalty(logp, ref[u][i], weights, 1.0)
+                loss = loss + loss_cfg.kl_coef * kl
+                sums["kl"] += float(kl)
+            (loss * scale).backward()
+            tokens = float(mb.mask.sum())
+            mismatch = (old_mb - mb.rollout_logprobs).abs() * mb.mask
+            gap = corrections.correction_stats(log_r, mb.mask, changed)
+            sums["loss"] += float(loss.detach())
+            sums["entropy"] += float((weights * entropy).sum())
+            sums["weight"] += float(weights.sum())
+            sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
+            sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
+            sums["tokens"] += tokens
+            sums["mismatch"] += float(mismatch.sum())
+            for key in ("ratio_sum", "changed_sum", "k3_sum"):
+                sums[key] += gap[key]
+            peaks["mismatch_max"] = max(peaks["mismatch_max"], float(mismatch.max()) if tokens else 0.0)
+            peaks["ratio_max"] = max(peaks["ratio_max"], gap["ratio_max"])
+        sums["grad_norm"] += float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     if dist_info.world_size > 1:  # every rank reports the whole step, so every rank judges it alike
-        sums, mismatch_max = _over_ranks(sums, mismatch_max, dist_info.device)
+        grad_norm = sums.pop("grad_norm")  # already the same on every rank (clipping reduces over ranks)
+        sums, peaks = _over_ranks(sums, peaks, dist_info.device)
+        sums["grad_norm"] = grad_norm
     tokens = max(sums["tokens"], 1.0)
     return {
-        "loss": sums["loss"],
+        "loss": sums["loss"] / len(updates),
         # weighted sums over this rank's tokens, reported as weighted means per token
         "entropy": _weighted_mean(sums["entropy"], sums["weight"]),
         "kl": _weighted_mean(sums["kl"], sums["weight"]),
         "clip_fraction_low": sums["clip_low"] / tokens,
         "clip_fraction_high": sums["clip_high"] / tokens,
-        "grad_norm": float(_full(grad_norm)),
+        "grad_norm": sums["grad_norm"] / len(updates),
         "lr": scheduler.get_last_lr()[0],
         "mismatch_mean": sums["mismatch"] / tokens,
-        "mismatch_max": mismatch_max,
+        "mismatch_max": peaks["mismatch_max"],
+        # the engine/trainer gap (trainer_svc.corrections): ratio = p_old / q_engine per token
+        "ratio_mean": sums["ratio_sum"] / tokens,
+        "ratio_max": peaks["ratio_max"],
+        "corrected_fraction": sums["changed_sum"] / tokens,
+        "kl_engine": sums["k3_sum"] / tokens,
     }
 
 
-def _over_ranks(sums: dict[str, float], maximum: float, device: torch.device) -> tuple[dict[str, float], float]:
-    """Sums added and the maximum taken over all ranks."""
+def _over_ranks(sums: dict[str, float], peaks: dict[str, float], device: torch.device):
+    """Sums added and maxima taken over all ranks."""
     totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
     dist.all_reduce(totals)
-    peak = torch.tensor([maximum], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return dict(zip(sums, totals.tolist(), strict=False)), float(peak.item())
+    top = torch.tensor(list(peaks.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(zip(sums, totals.tolist(), strict=True)), dict(zip(peaks, top.tolist(), strict=True))
 
 
 def _weighted_mean(weighted_sum: float, total_weight: float) -> float:
