@@ -85,6 +85,7 @@ test-gpu: venvs
 
 bench: venvs
 	$(ROLLOUT)/bin/python bench/spool_roundtrip.py
+	$(ROLLOUT)/bin/python bench/spool_netfs.py
 	$(ROLLOUT)/bin/python bench/vllm_reload.py
 	$(ROLLOUT)/bin/python bench/vllm_throughput.py
 	$(ROLLOUT)/bin/python bench/checkpoint_to_result.py
