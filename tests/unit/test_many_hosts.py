@@ -17,7 +17,7 @@ from netfs import NEGATIVE_CACHE_S
 from protocol import fsio
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import ErrorCode, Result, WorkerStatus
-from protocol.spool import Spool
+from protocol.spool import RequestExists, Spool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,17 +76,13 @@ def test_a_producer_on_one_host_is_served_by_a_worker_on_another(two_hosts, make
     assert sorted(os.listdir(a.done)) == ["r1.request.json", "r1.result.json"]
 
 
-def test_a_request_id_used_on_another_host_is_refused(two_hosts, make_request):
+def test_a_request_id_used_on_another_host_is_refused(two_hosts, make_request, wait_for):
     """submit looks for an id in listings too: a result host A published after host B looked
     for the id is still found."""
     a, b = two_hosts
     assert b.locate("r2") == []
     a.publish_results([Result.failure("r2", ErrorCode.ENGINE_ERROR, "served on A")])
-    from protocol.spool import RequestExists
-
-    deadline = time.monotonic() + 10
-    while b.locate("r2") == [] and time.monotonic() < deadline:  # host B's listing cache
-        time.sleep(0.1)
+    wait_for(lambda: b.locate("r2"), what="host B's listing to show the result")  # its directory cache
     with pytest.raises(RequestExists, match="'r2'"):
         b.submit(make_request("r2"))
 
