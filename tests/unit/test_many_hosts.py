@@ -61,7 +61,8 @@ def test_host_b_does_not_see_by_name_what_host_a_created_after_b_looked(two_host
 
 def test_a_producer_on_one_host_is_served_by_a_worker_on_another(two_hosts, make_request, run_worker):
     """The producer (host B) submits and waits before any worker runs, then a worker on host A
-    serves it: B finds the result from listings. A lookup by name of the result made while it
+    serves it, and a second request sent while that worker waits for work: B finds the results
+    from listings, A the requests. A lookup by name of the result made while it
     was absent would hide it for NEGATIVE_CACHE_S, far past this wait's deadline."""
     a, b = two_hosts
     with SpoolClient(b.root, create=False, rescan_s=0.2, no_worker_grace_s=5.0) as client:
@@ -70,10 +71,14 @@ def test_a_producer_on_one_host_is_served_by_a_worker_on_another(two_hosts, make
             client.wait(["r1"], timeout_s=1.0)  # looks for the result while it is absent
         worker = run_worker(a, worker_id="host-a", rescan_s=0.2)  # its spool is host A's mount
         results = client.wait(["r1"], timeout_s=min(30.0, NEGATIVE_CACHE_S / 4))
+        # The worker now waits for work: a new request from host B reaches it as well.
+        client.submit(make_request("r2", prompts=["again"]))
+        results |= client.wait(["r2"], timeout_s=min(30.0, NEGATIVE_CACHE_S / 4))
     assert results["r1"].ok and results["r1"].texts == [["hostB"] * 2]
-    assert results["r1"].worker_id == "host-a"
+    assert results["r2"].ok and results["r2"].texts == [["again"] * 2]
+    assert {r.worker_id for r in results.values()} == {"host-a"}
     assert worker.worker._waker.polling  # chosen by itself on FUSE
-    assert sorted(os.listdir(a.done)) == ["r1.request.json", "r1.result.json"]
+    assert sorted(os.listdir(a.done)) == [f"r{i}.{kind}.json" for i in (1, 2) for kind in ("request", "result")]
 
 
 def test_a_request_id_used_on_another_host_is_refused(two_hosts, make_request, wait_for):
