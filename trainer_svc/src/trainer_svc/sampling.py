@@ -6,7 +6,7 @@ dead groups are counted and, up to `loss.dead_group_retries` times per step, rep
 groups of fresh prompts; what is still dead after that stays in the batch (it adds nothing to
 the gradient, and the step's size stays what the config says). The step's reward before any
 replacement (`reward_first`) is the policy's own estimate; the trained batch's (`reward_trained`)
-is higher once the policy is good, since its all-correct groups are swapped out.
+understates the policy once it is good, since its all-correct groups are swapped for live ones.
 
 Generating ahead (`rollout.ahead = k`): while step s trains, the first sampling of steps
 s+1..s+k is in flight, each sent with the newest published weights of its time, so a step's
