@@ -23,8 +23,8 @@ Guarantees (tests/unit/test_many_hosts.py):
 1. A worker that keeps beating is never judged dead, however far its clock is from the
    observer's or the file server's.
 2. A worker that stops beating is judged dead once its heartbeat has stood still for its lease
-   as the observer saw it (at most a lease and a half after the observer's first look),
-   however far ahead its clock was.
+   as the observer saw it (at most a lease after the later of the observer's first look and
+   the last change it saw), however far ahead its clock was.
 """
 
 from __future__ import annotations
