@@ -8,6 +8,7 @@
 #   make test-gpu    the GPU tier (tests/gpu): fails at once where no CUDA GPU is visible
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
 #   make tiny-model  a tiny Llama model with its own tokenizer, built offline, in build/
+#   make bench-trl   a venv with TRL, for bench/trl_compare.py only (never the services', never make test's)
 #
 # TORCH_INDEX_URL: an extra package index for torch wheels (for example PyTorch's CPU index).
 # Unset by default, so pip never waits on an index this machine cannot reach.
@@ -29,7 +30,7 @@ CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
 TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
-.PHONY: venvs tiny-model demo echo-smoke lint test test-gpu bench clean
+.PHONY: venvs tiny-model demo echo-smoke lint test test-gpu bench bench-trl clean
 
 venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
@@ -90,6 +91,18 @@ bench: venvs
 	$(ROLLOUT)/bin/python bench/vllm_throughput.py
 	$(ROLLOUT)/bin/python bench/checkpoint_to_result.py
 	$(ROLLOUT)/bin/python bench/demo_learning.py
+
+# TRL's GRPOTrainer, the peer bench/trl_compare.py runs beside the demo: a venv of its own with
+# the trainer's torch, so no service and no test ever imports it.
+BENCH_TRL := $(VENVS)/bench-trl
+TRL_SPEC ?= trl
+
+bench-trl: $(BENCH_TRL)/.installed
+
+$(BENCH_TRL)/.installed:
+	$(PYTHON) -m venv $(BENCH_TRL)
+	$(BENCH_TRL)/bin/pip install --quiet $(PIP_EXTRA) $(TORCH_SPEC) '$(TRL_SPEC)'
+	touch $@
 
 clean:
 	rm -rf $(VENVS)
