@@ -152,21 +152,30 @@ def timed(command: list[str], metrics: Path, log: Path) -> tuple[list[dict], flo
     return rows, time.monotonic() - started
 
 
+def reached(rows: list[dict], reward_key: str, level: float) -> dict | None:
+    """The first row whose last-WINDOW-step mean reward is >= level; None if none is."""
+    rewards = [r[reward_key] for r in rows]
+    for i in range(WINDOW - 1, len(rows)):
+        if statistics.fmean(rewards[i - WINDOW + 1 : i + 1]) >= level:
+            return rows[i]
+    return None
+
+
 def figures(rows: list[dict], reward_key: str, total_s: float) -> dict:
     rewards = [r[reward_key] for r in rows]
-    reached = next(
-        (i for i in range(WINDOW - 1, len(rows)) if statistics.fmean(rewards[i - WINDOW + 1 : i + 1]) >= TARGET_REWARD),
-        None,
-    )
     kept = rows[5:]
+    levels = {level: reached(rows, reward_key, level) for level in (0.5, 0.7, 0.8, TARGET_REWARD)}
     return {
         "steps": len(rows),
         "median_step_s": statistics.median(r["step_s"] for r in kept),
         "mean_step_s_steps_6_on": (rows[-1]["t"] - rows[4]["t"]) / len(kept),
         "launch_to_first_step_s": rows[0]["t"],
         "launch_to_exit_s": total_s,
-        f"step_reaching_{TARGET_REWARD}": rows[reached]["step"] if reached is not None else None,
-        f"launch_to_{TARGET_REWARD}_s": rows[reached]["t"] if reached is not None else None,
+        f"step_reaching_{TARGET_REWARD}": levels[TARGET_REWARD]["step"] if levels[TARGET_REWARD] else None,
+        f"launch_to_{TARGET_REWARD}_s": levels[TARGET_REWARD]["t"] if levels[TARGET_REWARD] else None,
+        "step_and_launch_s_reaching": {
+            level: row and [row["step"], round(row["t"], 1)] for level, row in levels.items()
+        },
         "reward_first_10": statistics.fmean(rewards[:WINDOW]),
         "reward_last_10": statistics.fmean(rewards[-WINDOW:]),
         "reward_last_20": statistics.fmean(rewards[-20:]),
