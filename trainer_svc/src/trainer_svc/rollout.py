@@ -16,9 +16,13 @@ request asks (weights and their content id, prompts, seed, sampling settings). T
 made again (a relaunch redoing a step) names the same requests, so `submit` and `restore` send
 only those the spool has never seen and use the results already there: nothing is sent twice.
 
-A dead spawned worker, or no live worker at all, is an error within seconds, never a hang; a
-call that is not answered within `rollout.timeout_s` is an error naming each request and where
-it stands (queued, claimed by whom, done).
+A dead spawned worker, or no live worker at all, is an error within seconds, never a hang; so
+is a spawned worker whose process lives but whose heartbeat stood still for its lease (frozen),
+which is then stopped. A call that is not answered within `rollout.timeout_s` is an error naming
+each request and where it stands (queued, claimed by whom, done). A launch first stops a worker
+that an earlier launch of the same run spawned and left running (its trainer SIGKILLed): it is
+found by its status file (this run's worker id, this host, a live `rollout-svc serve` pid), so
+two engines never fight for one GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -152,10 +158,13 @@ class RolloutService:
         self.cuda_devices = cuda_devices
         self.proc: subprocess.Popen | None = None
         self.log_path = cfg.run_dir / "rollout-worker.log"
+        self.worker_id = f"{cfg.run_dir.name[:40]}-rollout"
+        self.seen_live = False  # the spawned worker's heartbeat was seen fresh at least once
+        self.client = SpoolClient(cfg.spool_dir, no_worker_grace_s=cfg.rollout.no_worker_grace_s)
         if cfg.rollout.spawn:
+            self._stop_orphan()
             self.proc = self._spawn()
             atexit.register(self.close)
-        self.client = SpoolClient(cfg.spool_dir, no_worker_grace_s=cfg.rollout.no_worker_grace_s)
 
     def _spawn(self) -> subprocess.Popen:
         cfg = self.cfg
@@ -172,7 +181,7 @@ class RolloutService:
             "--spool",
             str(cfg.spool_dir),
             "--worker-id",
-            f"{cfg.run_dir.name[:40]}-rollout",
+            self.worker_id,
             "--weights",
             cfg.model.path,
             "--allowed-root",
@@ -200,22 +209,42 @@ class RolloutService:
     def close(self) -> None:
         """Stop the spawned worker (SIGTERM, then SIGKILL of its session). Idempotent."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
         if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the engine processes share its session
-            except ProcessLookupError:
-                pass
+            stop_session(proc.pid, wait=proc.wait)
         self.client.close()
 
     def _check_worker(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
+        """While waiting: a spawned worker that exited, or whose heartbeat stood still for its
+        lease while its process lives (frozen: SIGSTOP, a hung host call), ends the wait."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
             raise RolloutUnavailable(f"the rollout worker exited with code {self.proc.returncode}; see {self.log_path}")
+        statuses = [s for s in self.client.spool.live_workers() if s.worker_id == self.worker_id]
+        if any(s.pid == self.proc.pid for s in statuses):
+            self.seen_live = True
+        elif self.seen_live:
+            raise RolloutUnavailable(
+                f"the rollout worker (pid {self.proc.pid}) is alive but its heartbeat stood still for longer than its "
+                f"lease: it is frozen or hung, and is stopped now; see {self.log_path}"
+            )
+
+    def _stop_orphan(self) -> None:
+        """A worker this run spawned before (its trainer was SIGKILLed) may still hold the
+        device until its idle exit: find it by its status file (this run's worker id, this host,
+        a live pid running rollout-svc on this spool) and stop it, so that two engines never
+        fight for one GPU."""
+        for _, status in self.client.spool.statuses():
+            if status is None or status.worker_id != self.worker_id or status.host != socket.gethostname():
+                continue
+            if not _is_worker_process(status.pid, self.cfg.spool_dir):
+                continue
+            log.warning(
+                "stopping the rollout worker an earlier launch of this run left running (pid %d, %s)",
+                status.pid,
+                self.worker_id,
+            )
+            stop_session(status.pid, wait=lambda timeout, pid=status.pid: _wait_gone(pid, timeout))
 
     def submit(
         self,
@@ -336,3 +365,49 @@ def to_groups(result: Result, weights_step: int = 0) -> list[Group]:
         samples = [Sample(list(i), list(lp), t, f) for i, lp, t, f in zip(ids, logprobs, texts, reasons, strict=True)]
         groups.append(Group(list(prompt_ids), samples, weights_step))
     return groups
+
+
+def stop_session(pid: int, wait, timeout_s: float = 60.0) -> None:
+    """Stop a worker that leads its own process session: SIGTERM to it (it stops its engine and
+    gives back what it holds), SIGCONT to the session (a frozen worker must run to act on it),
+    `wait(timeout)` for it, then SIGKILL of the whole session (its engine processes share it)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.killpg(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    try:
+        wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    """Wait for a process that is not our child to exit."""
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(str(pid), timeout)
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _is_worker_process(pid: int, spool_dir: Path) -> bool:
+    """`pid` is a live `rollout-svc serve` on this spool (not a pid reused by another program)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return _alive(pid) and "serve" in args and str(spool_dir) in args and any("rollout-svc" in a for a in args)
