@@ -10,7 +10,7 @@ run, repeats interleaved so that all figures share the same minutes of a shared 
 - raw: the medium's write bandwidth. Disk: `dd if=/dev/zero bs=64M oflag=direct conv=fsync`;
   tmpfs (no O_DIRECT there): the same dd, buffered: a large copy into memory.
 - writer: write_weights_dir from the model's own tensors (iter_full_tensors), in the serving dtype
-  (bf16 from CUDA tensors, the model's dtype on CPU), crc32 checksums on; again without checksums,
+  (bf16 from CUDA tensors, the model's dtype on CPU), crc32c checksums on; again without checksums,
   which shows what the checksum costs.
 - save_pretrained(safe_serialization=True) of the same model, then an fsync of each file it wrote
   (what the writer's durability costs it).
@@ -219,7 +219,7 @@ def filesystem(path: Path) -> str:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | params | medium | raw | writer | writer, no crc32 | save_pretrained + fsync | writer / raw "
+        "| model | params | medium | raw | writer | writer, no checksum | save_pretrained + fsync | writer / raw "
         "| writer / save_pretrained |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
