@@ -20,6 +20,16 @@ printf '%s' "$(basename "$0")" >> "$CALLS"
 for a in "$@"; do printf ' %q' "$a" >> "$CALLS"; done
 printf ' CUDA_VISIBLE_DEVICES=%s\\n' "${CUDA_VISIBLE_DEVICES:-}" >> "$CALLS"
 """
+# The trainer's stand-in returns once the workers' stand-ins have recorded themselves: the script
+# stops its workers when the trainer ends, which could otherwise come before they started.
+TRAINER_STAND_IN = (
+    RECORDER
+    + """for _ in $(seq 300); do
+    [ "$(grep -c '^rollout-svc serve' "$CALLS")" -ge "$GPUS_PER_NODE" ] && exit 0
+    sleep 0.1
+done
+"""
+)
 # srun runs its command once, as one node would; its own options end at the first non-option.
 SRUN = """#!/usr/bin/env bash
 printf 'srun %s\\n' "$*" >> "$CALLS"
@@ -36,7 +46,7 @@ def fake_install(tmp_path: Path) -> tuple[Path, dict]:
     for venv, tools in (("rollout", ("spoolctl", "rollout-svc")), ("trainer", ("torchrun", "trainer-svc"))):
         (root / ".venvs" / venv / "bin").mkdir(parents=True)
         for tool in tools:
-            (root / ".venvs" / venv / "bin" / tool).write_text(RECORDER)
+            (root / ".venvs" / venv / "bin" / tool).write_text(TRAINER_STAND_IN if tool == "torchrun" else RECORDER)
     for path in [*bin_dir.iterdir(), *root.glob(".venvs/*/bin/*")]:
         path.chmod(0o755)
     env = dict(
