@@ -76,6 +76,19 @@ def test_generation_shapes_ids_texts_and_logprobs(worker, models, client_for, re
     assert result.timings.generate_s > 0
 
 
+def test_a_seeded_request_repeats_and_its_prompts_draw_independent_samples(worker, models, client_for):
+    """The same seeded request gives the same samples; the same prompt twice in it does not give
+    the same samples twice (each prompt has a seed of its own, rollout_svc.engines.vllm_host's
+    prompt_seed: with one seed for all, sample j of every prompt drew the same random numbers)."""
+    client = client_for(worker["spool"].root)
+    fields = dict(n_samples_per_prompt=4, max_tokens=10, temperature=1.0, seed=11)
+    first = ask(client, models["a"], ["12+7=", "12+7="], **fields)
+    again = ask(client, models["a"], ["12+7=", "12+7="], **fields)
+    assert first.ok and again.ok
+    assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
+    assert first.token_ids[0] != first.token_ids[1]
+
+
 def test_prompts_as_token_ids_give_the_same_greedy_output(worker, models, client_for):
     client = client_for(worker["spool"].root)
     by_text = ask(client, models["a"], ["12+7="])

@@ -269,3 +269,14 @@ def test_a_tokenizer_identical_to_the_live_one_is_not_loaded_again(engine, model
     with pytest.raises(Exception, match="the tokenizer has .* tokens but the model's vocab_size"):
         e.load(str(small))
     assert len(loads) == 2
+
+
+def test_each_prompt_of_a_seeded_request_has_a_seed_of_its_own():
+    from rollout_svc.engines.vllm_host import prompt_seed
+
+    seeds = [prompt_seed(base, i) for base in (0, 1, 2, 7) for i in range(16)]
+    assert seeds == [prompt_seed(base, i) for base in (0, 1, 2, 7) for i in range(16)]  # reproducible
+    ordered = sorted(seeds)
+    # vLLM seeds a prompt's n samples seed, seed + 1, ...: no two prompts' ranges may meet
+    assert min(b - a for a, b in zip(ordered, ordered[1:], strict=False)) > 10**6
+    assert all(0 <= s < 2**62 for s in seeds) and prompt_seed(None, 3) is None

@@ -18,6 +18,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -137,18 +138,19 @@ class LiveEngine:
         for request in requests:
             ids_per_prompt = request.prompt_token_ids or [tokenizer(p)["input_ids"] for p in request.prompts]
             _check_prompts(request, ids_per_prompt, max_len, vocab)
-            sampling = SamplingParams(
+            sampling = dict(
                 n=request.n_samples_per_prompt,
                 max_tokens=request.max_tokens,
                 temperature=request.temperature,
                 top_p=request.top_p,
                 stop=request.stop or None,
-                seed=request.seed,
                 logprobs=0 if request.logprobs else None,
             )
             spans.append((len(prompts), len(ids_per_prompt)))
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
-            params += [sampling] * len(ids_per_prompt)
+            params += [
+                SamplingParams(**sampling, seed=prompt_seed(request.seed, i)) for i in range(len(ids_per_prompt))
+            ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [_completion(outputs[start : start + count]) for start, count in spans]
 
@@ -219,6 +221,20 @@ def probe_blocks(shape: list[int]) -> list[tuple[int, int]]:
     last = rows - take
     starts = sorted({round(i * last / (PROBE_BLOCKS - 1)) for i in range(PROBE_BLOCKS)})
     return [(start, start + take) for start in starts]
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of prompt `index` of a request seeded with `seed` (None: unseeded).
+
+    vLLM seeds the n samples of one prompt with seed, seed + 1, ..., so a request's prompts must
+    not share its seed: sample j of every prompt would draw the same random numbers (the same
+    junk character ended sample 1 of all 16 prompts of a step). Each prompt gets a seed hashed
+    from (seed, index): reproducible, and far from the seeds of the other prompts and of requests
+    seeded seed + 1, seed + 2... (the trainer seeds a step's parts so)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # below 2**62: vLLM adds the sample's index
 
 
 def describe(facts: dict) -> str:
