@@ -92,7 +92,13 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
     learned_dir, control_dir = base_dir / "grpo", base_dir / "control"
     learned = run("train", str(write_config(base_dir / "grpo.toml", learned_dir, model, base)))
     assert learned.returncode == 0, learned.stderr[-3000:]
-    control = run("train", str(write_config(base_dir / "control.toml", control_dir, model, base, shuffle=True)))
+    # Trained on noise, the control may drift into short answers and fire the collapse tripwire
+    # (it did, at step 108 of one seed); what it shows is the reward's flat line, so it runs
+    # without the tripwire.
+    unarmed = "[tripwire]\narmed = false\n"
+    control = run(
+        "train", str(write_config(base_dir / "control.toml", control_dir, model, base, shuffle=True, extra=unarmed))
+    )
     assert control.returncode == 0, control.stderr[-3000:]
 
     learned_gain, control_gain = gain(learned_dir), gain(control_dir)
