@@ -55,10 +55,15 @@ class KillingService(RolloutService):
         os.killpg(self.procs["vllm-a"].pid, signal.SIGSTOP)
         try:
             self.tickets.append(super().submit(prompts, **kwargs))
+            # Only this call's requests count: a claim B has already answered stays in claimed/
+            # for a moment after its result is published.
+            mine = set(self.tickets[-1].request_ids)
             deadline = time.monotonic() + 10
             while not self.killed_claims and time.monotonic() < deadline:
                 claims = [split_claimed_name(name) for name in os.listdir(self.client.spool.claimed)]
-                self.killed_claims = [id_from_name(name) for name, worker in claims if worker == "vllm-b"]
+                self.killed_claims = [
+                    id_from_name(name) for name, worker in claims if worker == "vllm-b" and id_from_name(name) in mine
+                ]
                 if self.killed_claims:
                     os.killpg(self.procs["vllm-b"].pid, signal.SIGKILL)
                 time.sleep(0.001)
