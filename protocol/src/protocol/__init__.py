@@ -1,7 +1,8 @@
 """protocol: the only code the trainer and the rollout service share.
 
 - messages: the request, result and worker-status types (msgspec), with their validation;
-- spool: the crash-safe filesystem spool (its docstring lists the guarantees);
+- spool: the crash-safe filesystem spool (its docstring lists the guarantees and which spool_*
+  module holds each part);
 - watch: file events as hints that wake a scanner;
 - client: submit and wait with deadlines;
 - evaluation, jsonl: eval jobs through the spool, and the JSONL reading they share with the trainer;

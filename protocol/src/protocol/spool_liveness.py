@@ -1,0 +1,109 @@
+"""Worker status files and liveness: workers publish their status (its mtime is the heartbeat);
+observers judge by it which workers live (leases.py says how) and give a dead worker's claims
+back to requests/."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+from . import fsio
+from .leases import HeartbeatWatch, Seen
+from .messages import MessageError, WorkerStatus, decode_status, encode_pretty
+from .spool_entries import JSON_SUFFIX, Entry, scan, split_claimed_name
+from .spool_layout import SpoolLayout
+
+DEFAULT_LEASE_S = 30.0
+
+
+class Liveness(SpoolLayout):
+    """Spool methods for worker status files, heartbeats and the recovery of dead workers' claims."""
+
+    _workers_watch: HeartbeatWatch  # by status file name; set by Spool.__init__
+    _claims_watch: HeartbeatWatch  # claims without a readable status, by name; set by Spool.__init__
+
+    def write_status(self, status: WorkerStatus) -> None:
+        # Not fsynced: it is rewritten every few seconds and only its freshness matters.
+        fsio.publish(self.tmp, self.status_path(status.worker_id), encode_pretty(status), replace=True, durable=False)
+
+    def remove_status(self, worker_id: str) -> None:
+        try:
+            os.unlink(self.status_path(worker_id))
+        except FileNotFoundError:
+            pass
+
+    def statuses(self) -> list[tuple[Entry, WorkerStatus | None]]:
+        """Every status file with its decoded content (None when unreadable)."""
+        out = []
+        for entry in scan(self.workers):
+            if not entry.name.endswith(JSON_SUFFIX):
+                continue
+            try:
+                out.append((entry, decode_status(entry.path.read_bytes())))
+            except (OSError, MessageError):
+                out.append((entry, None))
+        return out
+
+    def filesystem_now(self) -> float:
+        """Now by the clock that stamps this spool's files (the file server's on NFS and sshfs,
+        the writer's on Lustre): the mtime of a file just written in tmp/."""
+        probe = self.scratch_path(".clock")
+        fsio.write_synced(probe, b"", fsync=False)
+        try:
+            return os.stat(probe).st_mtime
+        finally:
+            os.unlink(probe)
+
+    def heartbeats(self) -> list[tuple[Entry, WorkerStatus | None, Seen]]:
+        """Every status file, its content (None when unreadable), and what this Spool's observer
+        has seen of it (leases.py: ages by change, on this process's clock)."""
+        fs_now = functools.cache(self.filesystem_now)  # asked once, and only at a first sight
+        out = []
+        for entry, status in self.statuses():
+            signature = (entry.mtime, entry.size, status.heartbeat_at if status is not None else None)
+            seen = self._workers_watch.look(entry.name, signature, lambda e=entry: fs_now() - e.mtime)
+            out.append((entry, status, seen))
+        self._workers_watch.forget_all_but({entry.name for entry, _, _ in out})
+        return out
+
+    def live_workers(self, now: float | None = None) -> list[WorkerStatus]:
+        """Workers whose heartbeat changed within their lease, as this observer saw it (a first
+        sight counts the heartbeat's age on the filesystem's clock). `now` judges as if the
+        wall clock read `now`."""
+        ahead = 0.0 if now is None else now - time.time()
+        watch = self._workers_watch
+        return [s for _, s, seen in self.heartbeats() if s is not None and watch.age(seen, ahead) <= s.lease_s]
+
+    def recover_stale(self, default_lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> list[str]:
+        """Put back in requests/ every claim whose worker is dead; returns their names.
+
+        A worker is dead when its heartbeat (its status file) has not changed for its own
+        lease, as this observer saw it, and the observer watched it stand still for at least
+        half the lease (leases.py: a first look never takes claims). A claim without a
+        readable status file is judged the same way by the claim itself and `default_lease_s`.
+        `now` judges as if the wall clock read `now` (the time since passing without change).
+        """
+        ahead = 0.0 if now is None else now - time.time()
+        heartbeats = {s.worker_id: (seen, s.lease_s) for _, s, seen in self.heartbeats() if s is not None}
+        fs_now = functools.cache(self.filesystem_now)  # asked once, and only at a first sight
+        claims = scan(self.claimed)
+        self._claims_watch.forget_all_but({entry.name for entry in claims})
+        recovered = []
+        for entry in claims:
+            original, worker_id = split_claimed_name(entry.name)
+            if worker_id in heartbeats:
+                seen, lease = heartbeats[worker_id]
+                watch = self._workers_watch
+            else:
+                age = lambda e=entry: fs_now() - e.ctime  # noqa: E731
+                seen, lease = self._claims_watch.look(entry.name, (entry.ctime, entry.mtime), age), default_lease_s
+                watch = self._claims_watch
+            if not watch.dead(seen, lease, ahead):
+                continue
+            try:
+                os.rename(entry.path, self.requests / original)
+            except FileNotFoundError:
+                continue  # finished or recovered by someone else meanwhile
+            recovered.append(original)
+        return recovered
