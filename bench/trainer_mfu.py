@@ -2,22 +2,26 @@
 utilisation (MFU) against the card's bf16 peak.
 
     python bench/trainer_mfu.py [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
-                                [--completion-tokens 768] [--micro 8,16] [--steps 3] [--json OUT]
+                                [--completion-tokens 768] [--micro 8,16] [--checkpointing on,off]
+                                [--compile on,off] [--steps 3] [--json OUT]
 
 A Qwen2.5-shaped model (config only, random weights, bf16 on the GPU) takes trainer_svc's own
 optimizer step (`train_step.train_step`: the clipped GRPO loss over micro-batches, gradient
 clipping, AdamW) on a synthetic step of `--sequences` sequences, each a prompt and a completion of
 random tokens; completion lengths vary from half to all of `--completion-tokens`, as sampled
 completions do. Measured for each micro-batch size, with and without activation checkpointing,
-after one warm-up step: seconds per step, tokens per second (real tokens, padding not counted),
-and MFU.
+with and without torch.compile (model.compile: the decoder layers and the log-prob math), after
+warm-up steps (the compiled runs compile there): seconds per step, tokens per second (real
+tokens, padding not counted), and MFU.
 
 Model FLOPs per step (what the step must compute, whatever it recomputes): for each sequence of
-S tokens, 6 x N_matmul x S (forward and backward of every weight matrix, the output projection to
-the vocabulary included) plus 6 x layers x hidden x S^2 (causal attention: QK^T and AV, forward and
-backward, half the square). Activation checkpointing's recomputation is not counted, by the
-usual definition of MFU. Peak: the H200's dense bf16 figure, 989.4 TFLOP/s (NVIDIA's data sheet;
-a matmul-only microbenchmark reaches about 790 there).
+S tokens of which C were generated, 6 x N_layers x S (forward and backward of every weight matrix
+of the decoder layers) plus 6 x N_out x C (the output projection to the vocabulary, needed only
+where a generated token is scored; the trainer computes no logits at prompt positions) plus
+6 x layers x hidden x S^2 (causal attention: QK^T and AV, forward and backward, half the square).
+Activation checkpointing's recomputation is not counted, by the usual definition of MFU.
+Peak: the H200's dense bf16 figure, 989.4 TFLOP/s (NVIDIA's data sheet; a matmul-only
+microbenchmark reaches about 790 there).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def make_model(shape: str, checkpointing: bool):
+def make_model(shape: str, checkpointing: bool, compiled: bool):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -65,14 +69,18 @@ def make_model(shape: str, checkpointing: bool):
     model.config.use_cache = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compiled:
+        from trainer_svc.model import compile_layers
+
+        compile_layers(model)
     return model
 
 
-def matmul_parameters(model) -> int:
-    """Weights that take part in a matrix product per token: every 2-D weight of the decoder
-    layers, and the output projection (vocabulary x hidden, tied or not); not the embedding lookup."""
+def matmul_parameters(model) -> tuple[int, int]:
+    """Weights that take part in a matrix product per token: (every 2-D weight of the decoder
+    layers, the output projection: vocabulary x hidden, tied or not); not the embedding lookup."""
     layers = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
-    return layers + model.lm_head.weight.numel()
+    return layers, model.lm_head.weight.numel()
 
 
 def synthetic_step(args, seed: int):
@@ -96,12 +104,13 @@ def synthetic_step(args, seed: int):
     return groups, advantages
 
 
-def step_flops(batch, n_matmul: int, layers: int, hidden: int) -> float:
+def step_flops(batch, n_layers: int, n_out: int, layers: int, hidden: int) -> float:
     lengths = batch.attention_mask.sum(dim=1).double()
-    return float((6 * n_matmul * lengths + 6 * layers * hidden * lengths**2).sum())
+    generated = batch.mask.sum(dim=1).double()
+    return float((6 * n_layers * lengths + 6 * n_out * generated + 6 * layers * hidden * lengths**2).sum())
 
 
-def run(args, checkpointing: bool, micro: int) -> dict:
+def run(args, checkpointing: bool, micro: int, compiled: bool) -> dict:
     import msgspec
     import torch
 
@@ -113,21 +122,27 @@ def run(args, checkpointing: bool, micro: int) -> dict:
     cfg = msgspec.convert(
         {
             "run": {"dir": "unused"},
-            "model": {"path": "unused", "dtype": "bfloat16", "activation_checkpointing": checkpointing},
+            "model": {
+                "path": "unused",
+                "dtype": "bfloat16",
+                "activation_checkpointing": checkpointing,
+                "compile": "on" if compiled else "off",
+            },
             "rollout": {"max_tokens": args.completion_tokens, "temperature": 1.0},
             "train": {"steps": 1000, "grad_accum": args.sequences // micro},
         },
         Config,
     )
-    model = make_model(args.shape, checkpointing)
+    model = make_model(args.shape, checkpointing, compiled)
     optimizer, dist_info = make_optimizer(model, cfg), Distributed(0, 1, torch.device(device()))
     scheduler = make_scheduler(optimizer, cfg)
     shape = SHAPES[args.shape]
-    n_matmul = matmul_parameters(model)
+    n_layers, n_out = matmul_parameters(model)
+    warmup = 2 if compiled else 1  # compiled: the second step may meet a shape the first did not
     seconds, tokens, flops = [], [], []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    for step in range(args.steps + 1):  # the first one warms up
+    for step in range(args.steps + warmup):
         groups, advantages = synthetic_step(args, seed=step)
         batch = collate(groups, advantages, pad_id=0).to(dist_info.device)
         totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
@@ -135,13 +150,14 @@ def run(args, checkpointing: bool, micro: int) -> dict:
         started = time.perf_counter()
         train_step(model, None, optimizer, scheduler, [(batch, totals)], cfg, dist_info)
         synchronize()
-        if step:
+        if step >= warmup:
             seconds.append(time.perf_counter() - started)
             tokens.append(int(batch.attention_mask.sum()))
-            flops.append(step_flops(batch, n_matmul, shape["num_hidden_layers"], shape["hidden_size"]))
+            flops.append(step_flops(batch, n_layers, n_out, shape["num_hidden_layers"], shape["hidden_size"]))
     s = statistics.median(seconds)
     row = {
         "activation_checkpointing": checkpointing,
+        "compiled": compiled,
         "micro_batch": micro,
         "step_s": round(s, 3),
         "tokens_per_s": round(statistics.median(t / x for t, x in zip(tokens, seconds, strict=True))),
@@ -178,7 +194,8 @@ def profile(args) -> None:
     train_step_module.train_step = recorded
     args.steps = 1
     checkpointing = args.checkpointing.split(",")[0] == "on"
-    print(json.dumps(run(args, checkpointing, int(args.micro.split(",")[0]))))
+    compiled = args.compile.split(",")[0] == "on"
+    print(json.dumps(run(args, checkpointing, int(args.micro.split(",")[0]), compiled)))
 
 
 def main() -> None:
@@ -189,6 +206,7 @@ def main() -> None:
     parser.add_argument("--completion-tokens", type=int, default=768)
     parser.add_argument("--micro", default="8,16", help="sequences per micro-batch, comma-separated")
     parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
+    parser.add_argument("--compile", default="on,off", help="on, off, or both")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile one step of the first configuration")
     parser.add_argument("--json")
@@ -200,14 +218,22 @@ def main() -> None:
         return
 
     rows = []
-    for checkpointing in [c == "on" for c in args.checkpointing.split(",")]:
-        for micro in [int(m) for m in args.micro.split(",")]:
-            try:
-                rows.append(run(args, checkpointing, micro))
-            except torch.cuda.OutOfMemoryError:
-                rows.append({"activation_checkpointing": checkpointing, "micro_batch": micro, "error": "out of memory"})
-                torch.cuda.empty_cache()
-            say(json.dumps(rows[-1]))
+    configurations = [
+        (checkpointing == "on", compiled == "on", int(micro))
+        for compiled in args.compile.split(",")
+        for checkpointing in args.checkpointing.split(",")
+        for micro in args.micro.split(",")
+    ]
+    for checkpointing, compiled, micro in configurations:
+        try:
+            rows.append(run(args, checkpointing, micro, compiled))
+        except torch.cuda.OutOfMemoryError:
+            rows.append(
+                {"activation_checkpointing": checkpointing, "compiled": compiled, "micro_batch": micro}
+                | {"error": "out of memory"}
+            )
+            torch.cuda.empty_cache()
+        say(json.dumps(rows[-1]))
     data = {
         "benchmark": "trainer_mfu",
         "date": time.strftime("%Y-%m-%d"),
@@ -220,16 +246,14 @@ def main() -> None:
         "target_mfu": TARGET_MFU,
         "rows": rows,
     }
-    print("| checkpointing | micro-batch | step s | tokens/s | MFU | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| checkpointing | compiled | micro-batch | step s | tokens/s | MFU | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        head = f"| {r['activation_checkpointing']} | {r['compiled']} | {r['micro_batch']} |"
         if "error" in r:
-            print(f"| {r['activation_checkpointing']} | {r['micro_batch']} | {r['error']} | | | |")
+            print(f"{head} {r['error']} | | | |")
         else:
-            print(
-                f"| {r['activation_checkpointing']} | {r['micro_batch']} | {r['step_s']} | {r['tokens_per_s']:,} | "
-                f"{r['mfu']:.1%} | {r['peak_memory_gib']} |"
-            )
+            print(f"{head} {r['step_s']} | {r['tokens_per_s']:,} | {r['mfu']:.1%} | {r['peak_memory_gib']} |")
     print(json.dumps(data))
     if args.json:
         Path(args.json).write_text(json.dumps(data) + "\n")

@@ -18,6 +18,7 @@ from trainer_svc.grpo import (
     group_advantages,
     kl_k3,
     kl_penalty,
+    logprobs_and_entropy,
     rank_scale,
     token_logprobs,
     token_weights,
@@ -267,6 +268,32 @@ def test_entropy_matches_reference(temperature, dtype):
 
 def test_entropy_of_uniform_is_log_vocab():
     assert_close(entropy(torch.zeros(1, 1, 7), 0.5), torch.full((1, 1), math.log(7)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_logprobs_and_entropy_equal_the_references(temperature, dtype):
+    gen = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(2, 5, 13, generator=gen)).to(dtype)
+    tokens = torch.randint(0, 13, (2, 5), generator=gen)
+    logp, h = logprobs_and_entropy(logits, tokens, temperature)
+    assert logp.dtype == h.dtype == torch.float32
+    assert_close(logp.double(), ref_token_logprobs(logits, tokens, temperature), atol=1e-5, rtol=1e-5)
+    assert_close(h.double(), ref_entropy(logits, temperature), atol=1e-5, rtol=1e-5)
+
+
+def test_one_pass_gradient_is_that_of_the_logprobs_alone():
+    # The entropy is detached: the gradient is d logp / d logits, as token_logprobs gives it.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, 7, (2, 3), generator=gen)
+    weights = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    one_pass, alone = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    logp, h = logprobs_and_entropy(one_pass, tokens, 0.9)
+    assert not h.requires_grad
+    (weights * logp).sum().backward()
+    (weights * token_logprobs(alone, tokens, 0.9)).sum().backward()
+    assert_close(one_pass.grad, alone.grad)
 
 
 # ---------------------------------------------------------------- KL

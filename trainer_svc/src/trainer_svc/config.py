@@ -39,6 +39,10 @@ class ModelConfig(Struct):
     path: str  # HF-format causal LM directory (config.json, safetensors, tokenizer)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     activation_checkpointing: bool = False
+    # torch.compile of each decoder layer and of the log-prob math, which fuses their elementwise
+    # kernels (norms, rotary, SwiGLU, the float32 softmax over the vocabulary). "auto": on a GPU
+    # only; the first steps pay the compilation (tens of seconds).
+    compile: Literal["auto", "on", "off"] = "auto"
 
 
 class DataConfig(Struct):

@@ -129,6 +129,27 @@ def entropy(logits: Tensor, temperature: float) -> Tensor:
     return -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
+def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """``token_logprobs`` and ``entropy`` in one pass over the logits: (logp [B, T], H [B, T]).
+
+    Both need the log-normaliser lse = logsumexp(logits / temperature); the entropy reuses it,
+
+        H = -sum_v p_v (s_v - lse) = lse - sum_v p_v s_v,   s = logits / temperature,
+
+    instead of a second log-softmax over [B, T, V]. The entropy is a statistic: it is computed
+    without a graph (detached), so nothing of it is kept for the backward pass.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = _upcast(logits) / temperature  # [B, T, V]
+    lse = torch.logsumexp(scaled, dim=-1)  # [B, T]
+    logp = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        flat = scaled.detach()
+        entropy = lse.detach() - (torch.softmax(flat, dim=-1) * flat).sum(dim=-1)
+    return logp, entropy
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref) per sampled token, elementwise, any shape.
 

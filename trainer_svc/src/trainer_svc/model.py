@@ -62,16 +62,39 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_policy(path: str, dtype: torch.dtype, dist_info: Distributed, *, activation_checkpointing: bool = False):
+def load_policy(
+    path: str,
+    dtype: torch.dtype,
+    dist_info: Distributed,
+    *,
+    activation_checkpointing: bool = False,
+    compiled: bool = False,
+):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dist_info.device)
     model.config.use_cache = False
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compiled:
+        compile_layers(model)
     if dist_info.world_size > 1:
         shard(model)
     return model
+
+
+def compile_enabled(setting: str, device: torch.device) -> bool:
+    """model.compile resolved: "auto" compiles on a GPU only (on a CPU the compilation costs more
+    than it saves at the sizes a CPU trains)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def compile_layers(model) -> None:
+    """Each decoder layer compiled in place. Sequence lengths vary from step to step, so the
+    shapes are dynamic from the start (one compilation, not one per length). Activation
+    checkpointing and FSDP2 wrap the compiled layer from outside."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

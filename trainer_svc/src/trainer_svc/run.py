@@ -27,7 +27,15 @@ from .canary import Canary
 from .checkpoint import Checkpoint, RunState
 from .config import Config, dump
 from .data import PromptStream, load_problems
-from .model import Distributed, init_distributed, load_policy, load_reference, load_tokenizer, resolve_dtype
+from .model import (
+    Distributed,
+    compile_enabled,
+    init_distributed,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    resolve_dtype,
+)
 from .outputs import Outputs
 from .rewards import Verifier
 from .sampling import Sampler, StepSampler, WeightsRef
@@ -201,7 +209,13 @@ def setup_process(cfg: Config, dist_info: Distributed) -> None:
 
 def load_trainable(cfg: Config, dist_info: Distributed, tokenizer) -> Policy:
     dtype = resolve_dtype(cfg.model.dtype, dist_info.device)
-    model = load_policy(cfg.model.path, dtype, dist_info, activation_checkpointing=cfg.model.activation_checkpointing)
+    model = load_policy(
+        cfg.model.path,
+        dtype,
+        dist_info,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        compiled=compile_enabled(cfg.model.compile, dist_info.device),
+    )
     reference = load_reference(cfg.model.path, dtype, dist_info.device) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

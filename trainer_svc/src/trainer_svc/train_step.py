@@ -16,6 +16,7 @@ gradient is the same however it is split (see grpo.token_weights and grpo.rank_s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from . import corrections, grpo
 from .batch import Batch, collate, micro_batches, rank_share
 from .config import Config
-from .model import Distributed
+from .model import Distributed, compile_enabled
 from .sampling import StepRollouts
 
 # What a step that generated no tokens reports: there is no loss to take.
@@ -63,20 +64,33 @@ class StepTotals:
     sequences: int
 
 
-def sequence_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`. The entropy is
-    a statistic: computed without a graph, so its [N, L-1, V] intermediates are freed at once
-    instead of living until the backward pass."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logp = grpo.token_logprobs(logits, batch.targets, temperature)
-    with torch.no_grad():
-        entropy = grpo.entropy(logits.detach(), temperature)
-    return logp, entropy
+def sequence_logprobs(
+    model, batch: Batch, temperature: float, compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`; 0 at the
+    positions no sequence of the batch generated.
+
+    Logits are computed only at the columns where some sequence has a generated token
+    (`logits_to_keep`): prompts and trailing padding never reach the output projection, nor the
+    float32 softmax over the vocabulary that follows it. The entropy is a statistic, computed
+    without a graph (grpo.logprobs_and_entropy)."""
+    columns = batch.mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions whose target is generated
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=columns).logits
+    math = _compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
+    logp, entropy = math(logits, batch.targets[:, columns], temperature)  # [N, K]
+    zeros = torch.zeros(batch.targets.shape, dtype=logp.dtype, device=logp.device)
+    return zeros.index_copy(1, columns, logp), zeros.index_copy(1, columns, entropy)
+
+
+@functools.cache
+def _compiled_logprob_math():
+    # One fused kernel per pass over [N, K, V] instead of one per elementwise op; K varies.
+    return torch.compile(grpo.logprobs_and_entropy, dynamic=True)
 
 
 @torch.no_grad()
-def old_logprobs(model, micro: list[Batch], cfg: Config) -> list[torch.Tensor]:
-    return [sequence_logprobs(model, mb, cfg.rollout.temperature)[0] for mb in micro]
+def old_logprobs(model, micro: list[Batch], cfg: Config, compiled: bool = False) -> list[torch.Tensor]:
+    return [sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)[0] for mb in micro]
 
 
 def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distributed) -> dict:
@@ -101,8 +115,9 @@ def train_step(
     model.train()
     loss_cfg = cfg.loss
     parts = [[mb.trimmed() for mb in micro_batches(share.by_length(), cfg.train.grad_accum)] for share, _ in updates]
-    old = [old_logprobs(model, micro, cfg) for micro in parts] if len(parts) > 1 else None
-    ref = [old_logprobs(reference, micro, cfg) for micro in parts] if reference is not None else None
+    compiled = compile_enabled(cfg.model.compile, dist_info.device)
+    old = [old_logprobs(model, micro, cfg, compiled) for micro in parts] if len(parts) > 1 else None
+    ref = [old_logprobs(reference, micro, cfg, compiled) for micro in parts] if reference is not None else None
     scale = grpo.rank_scale(dist_info.world_size)
     sums = dict.fromkeys(("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch"), 0.0)
     sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum", "grad_norm"), 0.0)
@@ -116,7 +131,7 @@ def train_step(
                 step_sequences=totals.sequences,
                 max_tokens=cfg.rollout.max_tokens,
             )
-            logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature)
+            logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)
             old_mb = logp.detach() if old is None else old[u][i]
             log_r = corrections.log_ratio(old_mb, mb.rollout_logprobs, mb.mask)
             c, changed = corrections.correction_weights(
