@@ -121,7 +121,7 @@ def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkey
     state = load_model(tiny_model).state_dict()
     one = tmp_path / "one"
     write_weights_dir(one, state, base_model=tiny_model, step=1, content_id="a", dtype=torch.bfloat16)
-    monkeypatch.setattr(stream, "_writer_threads", lambda: 4)
+    monkeypatch.setattr(stream, "writer_threads", lambda: 4)
     monkeypatch.setattr(stream, "_pools", {})
     many = tmp_path / "many"
     write_weights_dir(
@@ -130,6 +130,29 @@ def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkey
     assert stream._writers()._max_workers == 4 and len(stream.Buffers(4096, pinned=False).get()) == 5
     assert (many / "model.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
     assert verify(many, checksums=True)["files"]["model.safetensors"] == verify(one)["files"]["model.safetensors"]
+
+
+def test_spread_shards_one_per_writer_thread_written_side_by_side(tiny_model, tmp_path, monkeypatch):
+    """max_shard_bytes=None: one shard per writer thread, filled side by side, each file the
+    bytes save_pretrained writes for that split."""
+    import trainer_svc.weights_writer as writer
+
+    model = load_model(tiny_model)
+    total = sum(v.numel() * v.element_size() for k, v in model.state_dict().items() if k not in omitted_names(model))
+    monkeypatch.setattr(writer, "writer_threads", lambda: 3)
+    monkeypatch.setattr(writer, "MIN_SPREAD_SHARD_BYTES", 1)
+    out = tmp_path / "spread"
+    write_weights_dir(
+        out, model.state_dict(), base_model=tiny_model, step=1, content_id="c", max_shard_bytes=None,
+        omit=omitted_names(model), chunk_bytes=4096,
+    )  # fmt: skip
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference, max_shard_size=-(-total // 3))
+    for name in shards + ["model.safetensors.index.json"]:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    verify(out, checksums=True)
 
 
 def test_a_manifest_with_zlib_crc32_is_still_verified(tiny_model, tmp_path):

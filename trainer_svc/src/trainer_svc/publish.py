@@ -58,7 +58,6 @@ from protocol.fsio import fsync_dir, read_regular_file
 
 from .model import Distributed
 from .weights_writer import (
-    DEFAULT_MAX_SHARD_BYTES,
     MANIFEST,
     PARTIAL_SUFFIX,
     TensorStream,
@@ -95,7 +94,7 @@ def publish(
     run_name: str | None = None,
     dtype: torch.dtype | None = None,
     omit: Iterable[str] = (),
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
     checksums: bool = True,
 ) -> Published | None:
     """Write `tensors` as publish_dir/step_NNNNNNNN (replacing one of that step, atomically).
@@ -105,7 +104,8 @@ def publish(
     `run_name` prefixes the content id (default: publish_dir's parent's name, the run directory
     when publish_dir is run_dir/published). checksums=False leaves the crc32c checksums out of the manifest
     (they add 3-28% to a publish on a GPU host, and double it on a busy 2-core CPU: docs/BENCHMARKS.md).
-    Returns the record on rank 0, None elsewhere."""
+    max_shard_bytes None: one shard per writer thread, written side by side (the fastest; an engine
+    reads shards as it reads one file). Returns the record on rank 0, None elsewhere."""
     publish_dir = Path(publish_dir)
     main = dist_info is None or dist_info.is_main
     if main:

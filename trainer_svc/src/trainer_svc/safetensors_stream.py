@@ -1,8 +1,9 @@
 """Safetensors files written as a stream: tensors go from their device to the file in chunks.
 
     header(tensors, dtype) -> bytes                 a file's header, for (name, shape) in file order
-    ShardFile(path, buffers, checksums)             .write(bytes), .append(name, tensor, dtype), .finish()
-    Buffers(chunk_bytes, pinned)                    the staging buffers, kept for the process's life
+    ShardFile(path, pool, checksums)                .write(bytes), .append(name, tensor, dtype), .finish()
+    Buffers(chunk_bytes, pinned, count)             the staging buffers, kept for the process's life
+    BufferPool(buffers)                             one write's buffers, shared by the files it writes
     write_small(path, data) -> {"size", "crc32c"}   a whole small file, synced
     file_checksum(path, chunk_bytes, algorithm)     a file's crc32c (or crc32), read back
     write_error(exc, path, what) -> OSError         a failed write, named
@@ -13,17 +14,20 @@ Guarantees:
   length, then the compact JSON header (`__metadata__` {"format": "pt"}, then per tensor dtype,
   shape, data_offsets) padded with spaces to a multiple of 8; the tensors follow back to back, each
   cast to the file's dtype, in the order they are appended.
-- CUDA tensors are cast on the device, a chunk at a time, and copied into pinned host buffers in
-  turn; full buffers are written by several threads at once, each to its own offset (pwrite),
-  while the next buffers fill, and a buffer is written only once its copies are complete (a CUDA
-  event) and reused only once its write and checksum are done. CPU tensors of the file's dtype
-  are written straight from their memory; other CPU tensors are cast through the same buffers.
-  Small tensors share a chunk. The file's bytes do not depend on the chunk size or the threads.
+- CUDA tensors are cast on the device, a chunk at a time, and copied into pinned host buffers
+  taken from a pool; full buffers are written by several threads at once, each to its own offset
+  (pwrite), while the next buffers fill, and a buffer is written only once its copies are complete
+  (a CUDA event) and given back to the pool only once its write and checksum are done. Files of
+  one write share the pool, so several files can be filled side by side: buffered writes into one
+  file are serialised by the kernel (the inode's lock), writes into different files are not. CPU
+  tensors of the file's dtype are written straight from their memory; other CPU tensors are cast
+  through the buffers. Small tensors share a chunk. A file's bytes do not depend on the chunk
+  size, the threads or the other files.
 - Size and crc32c are counted on the bytes as they are written (no extra read); the crc32c runs on
   one helper thread, chunk after chunk in file order. Each written range is handed to the
   kernel's writeback at once (sync_file_range, where libc has it), so `finish`'s fsync waits only
-  for the tail. After a failed write no job touches the file or a buffer any more when the error
-  is raised.
+  for the tail. After a failed write no job of the pool touches a file or a buffer any more when
+  the error is raised.
 - A file is created exclusively (O_EXCL, no symlink followed). A failed write raises OSError with
   the errno kept, naming the file and what was being written (the header, the tensor); a full
   disk (ENOSPC, EFBIG, EDQUOT) says so and what to do. Removing the partial file is the caller's.
@@ -117,7 +121,7 @@ class Buffers:
     def __init__(self, chunk_bytes: int, pinned: bool, count: int = 0):
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
-        self.count = count or _writer_threads() + 1  # one filling while every writer has one
+        self.count = count or writer_threads() + 1  # one filling while every writer has one
 
     def get(self) -> list[torch.Tensor]:
         key = (self.chunk_bytes, self.pinned)
@@ -133,25 +137,73 @@ class Buffers:
         return have[: self.count]
 
 
+class BufferPool:
+    """The staging buffers of one write, lent to its files: a file takes a free buffer to fill,
+    hands it over with the jobs that write and checksum it, and the buffer is free again once
+    those are done. The pool needs a buffer per file being filled plus one per writer thread."""
+
+    def __init__(self, buffers: Buffers):
+        self.chunk_bytes = buffers.chunk_bytes
+        self.buffers = buffers.get()
+        self._free = list(range(len(self.buffers)))
+        self._busy: dict[int, list[Future]] = {}  # buffer -> its write and checksum, in flight, oldest first
+
+    @staticmethod
+    def size_for(files: int) -> int:
+        return files + writer_threads()
+
+    def take(self) -> int:
+        """A free buffer; waits for the oldest one in flight when none is free."""
+        if not self._free:
+            index = next(iter(self._busy))
+            jobs = self._busy.pop(index)
+            self._free.append(index)
+            for future in jobs:
+                self.result(future)
+        return self._free.pop()
+
+    def give_back(self, index: int, jobs: list[Future]) -> None:
+        """`index` is free once `jobs` are done (none: at once)."""
+        if jobs:
+            self._busy[index] = jobs
+        else:
+            self._free.append(index)
+
+    def result(self, future: Future):
+        """A job's result; if it failed, every job of the pool is waited for before the error is
+        raised, so none still writes into a file or reads a buffer."""
+        try:
+            return future.result()
+        except BaseException:
+            self.drain()
+            raise
+
+    def drain(self) -> None:
+        for index, jobs in list(self._busy.items()):
+            for future in jobs:
+                future.exception()  # waits
+            del self._busy[index]
+            self._free.append(index)
+
+
 class ShardFile:
     """One safetensors file being appended to: size and crc32c counted as the bytes go out.
 
     Every write goes to its own offset (os.pwrite), so chunks are written by several threads at
     once while the next chunk is staged; the crc32c runs on one thread, chunk after chunk in file
-    order. A staging buffer is reused only once its write and its checksum are done."""
+    order. Buffers come from the pool and go back to it once their write and checksum are done."""
 
-    def __init__(self, path: Path, buffers: Buffers, checksums: bool):
+    def __init__(self, path: Path, pool: BufferPool, checksums: bool):
         self.path = path
-        self.buffers = buffers
+        self.pool = pool
         self.checksums = checksums
         self.size = 0  # bytes handed out to writes so far: the offset of the next write
         self.crc = 0
         self.tensor = ""  # the tensor being written, for error messages
-        self._fill = 0  # bytes staged in the current buffer
-        self._current = 0  # which buffer is being filled
+        self._current: int | None = None  # the pool's buffer being filled
+        self._fill = 0  # bytes staged in it
         self._staged_cuda = False  # the current buffer has copies from a GPU in flight
-        self._busy: dict[int, list[Future]] = {}  # buffer -> its write and checksum, in flight
-        self._direct: list[Future] = []  # writes straight from tensor memory, in flight
+        self._jobs: list[Future] = []  # this file's writes and checksums, in flight
         self._crc_done: Future | None = None  # the last checksum job; each waits for the one before
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
@@ -166,9 +218,9 @@ class ShardFile:
         if flat.device.type == "cpu" and flat.dtype == target:
             self._flush_staged()  # the file's bytes stay in order
             data = memoryview(flat.view(torch.uint8).numpy())  # keeps the tensor's memory alive
-            for start in range(0, len(data), self.buffers.chunk_bytes):
-                self._direct.extend(self._submit(data[start : start + self.buffers.chunk_bytes], None))
-            self._direct = [f for f in self._direct if not f.done() or f.exception()]
+            for start in range(0, len(data), self.pool.chunk_bytes):
+                self._jobs.extend(self._submit(data[start : start + self.pool.chunk_bytes], None))
+            self._forget_done()
             return
         self._stage(flat, target)
 
@@ -179,10 +231,10 @@ class ShardFile:
         cuda = flat.device.type == "cuda"
         pos, count = 0, flat.numel()
         while pos < count:
-            if self._fill == 0:
-                self._wait_buffer(self._current)
-            take = min((self.buffers.chunk_bytes - self._fill) // itemsize, count - pos)
-            buffer = self.buffers.get()[self._current]
+            if self._current is None:
+                self._current = self.pool.take()
+            take = min((self.pool.chunk_bytes - self._fill) // itemsize, count - pos)
+            buffer = self.pool.buffers[self._current]
             dst = buffer[self._fill : self._fill + take * itemsize].view(target)
             src = flat[pos : pos + take]
             if cuda:
@@ -193,7 +245,7 @@ class ShardFile:
                 dst.copy_(src)
             self._fill += take * itemsize
             pos += take
-            if self._fill == self.buffers.chunk_bytes:
+            if self._fill == self.pool.chunk_bytes:
                 self._rotate()
 
     def _rotate(self) -> None:
@@ -202,20 +254,24 @@ class ShardFile:
             event = torch.cuda.Event()
             event.record()
             self._staged_cuda = False
-        index, nbytes = self._current, self._fill
-        data = memoryview(self.buffers.get()[index][:nbytes].numpy())
-        self._busy[index] = self._submit(data, event)
-        self._current = (self._current + 1) % len(self.buffers.get())
-        self._fill = 0
+        data = memoryview(self.pool.buffers[self._current][: self._fill].numpy())
+        jobs = self._submit(data, event)
+        self._jobs.extend(jobs)
+        self.pool.give_back(self._current, jobs)
+        self._current, self._fill = None, 0
+        self._forget_done()
 
     def _flush_staged(self) -> None:
         if self._fill:
             self._rotate()
 
+    def _forget_done(self) -> None:
+        self._jobs = [f for f in self._jobs if not f.done() or f.exception()]
+
     def write(self, data: memoryview, *, what: str | None = None) -> None:
         """Write bytes now, in order after everything before (the header, a small file's data)."""
         for future in self._submit(data, None, what=what):
-            self._result(future)
+            self.pool.result(future)
 
     def _submit(self, data: memoryview, event, *, what: str | None = None) -> list[Future]:
         """Queue `data` for the next offset; returns its write and checksum jobs."""
@@ -227,30 +283,11 @@ class ShardFile:
             jobs.append(self._crc_done)
         return jobs
 
-    def _wait_buffer(self, index: int) -> None:
-        for future in self._busy.pop(index, []):
-            self._result(future)
-
-    def _result(self, future: Future) -> None:
-        try:
-            future.result()
-        except BaseException:
-            self._drain()  # no job may still write into this file or read a buffer after the error
-            raise
-
-    def _drain(self) -> None:
-        for future in [f for jobs in self._busy.values() for f in jobs] + self._direct:
-            future.exception()  # waits; the first error is the one raised
-        self._busy.clear()
-        self._direct.clear()
-
     def finish(self) -> dict:
         self._flush_staged()
-        for index in list(self._busy):
-            self._wait_buffer(index)
-        for future in self._direct:
-            self._result(future)
-        self._direct.clear()
+        for future in self._jobs:
+            self.pool.result(future)
+        self._jobs.clear()
         try:
             os.fsync(self.fd)
         except OSError as exc:
@@ -258,7 +295,12 @@ class ShardFile:
         return {"size": self.size, "crc32c": f"{self.crc:08x}" if self.checksums else None}
 
     def close(self) -> None:
-        self._drain()
+        for future in self._jobs:
+            future.exception()  # waits: nothing may write into the file once it is closed
+        self._jobs.clear()
+        if self._current is not None:  # a buffer filled but never handed to a job
+            self.pool.give_back(self._current, [])
+            self._current, self._fill = None, 0
         os.close(self.fd)
 
 
@@ -287,14 +329,14 @@ def _extend_crc(sink: ShardFile, data: memoryview, event, previous: Future | Non
 _pools: dict[str, ThreadPoolExecutor] = {}
 
 
-def _writer_threads() -> int:
+def writer_threads() -> int:
     # Writes into the page cache scale with cores (tmpfs, a fast disk); more than 4 buys little.
     return max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
 def _writers() -> ThreadPoolExecutor:
     if "write" not in _pools:
-        _pools["write"] = ThreadPoolExecutor(max_workers=_writer_threads(), thread_name_prefix="pwrite")
+        _pools["write"] = ThreadPoolExecutor(max_workers=writer_threads(), thread_name_prefix="pwrite")
     return _pools["write"]
 
 

@@ -4,6 +4,7 @@
         config.json, generation_config.json, tokenizer files    copied byte for byte from base_model
         model.safetensors                                      one file, or
         model-00001-of-0000N.safetensors + model.safetensors.index.json   shards of max_shard_bytes
+                                                               (None: one per writer thread)
         manifest.json                                          written last: step, content id, files
 
 API:
@@ -37,7 +38,9 @@ Guarantees:
 - Streaming (safetensors_stream): tensors go from their device to the file in chunks of
   chunk_bytes (CUDA tensors cast on the device, through pinned host buffers, written by several
   threads at their offsets); the crc32c and the kernel's writeback overlap the writes, so the
-  final fsync waits only for the tail.
+  final fsync waits only for the tail. Shards are filled side by side (one tensor of each in
+  turn), so several files are written at once: the kernel serialises buffered writes into one
+  file, not into several.
 - Bad input is refused before anything is written when it is known up front (a non-floating-point
   dtype, a non-contiguous tensor of a mapping, a missing config.json), otherwise when the tensor
   arrives; the error names the tensor and what to do. A failed write (a full disk: ENOSPC, EFBIG,
@@ -55,6 +58,7 @@ Qwen2 and other models without a checkpoint conversion mapping.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -70,7 +74,17 @@ from protocol.fsio import fsync_dir
 from .atomic_dir import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: publish names partials with it
 from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
 from .model import Distributed
-from .safetensors_stream import CHECKSUMS, SAFETENSORS_DTYPES, Buffers, ShardFile, file_checksum, header, write_small
+from .safetensors_stream import (
+    CHECKSUMS,
+    SAFETENSORS_DTYPES,
+    BufferPool,
+    Buffers,
+    ShardFile,
+    file_checksum,
+    header,
+    write_small,
+    writer_threads,
+)
 
 MANIFEST = "manifest.json"
 SINGLE_FILE = "model.safetensors"
@@ -90,6 +104,9 @@ COPIED_FILES = (
 )
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the shard size most published checkpoints use
+# max_shard_bytes=None: a model is spread over one shard per writer thread, so its files are
+# written side by side; models under this size stay in one file.
+MIN_SPREAD_SHARD_BYTES = 256 * 2**20
 
 
 class WeightsCorrupt(ValueError):
@@ -269,7 +286,7 @@ def write_weights_dir(
     content_id: str,
     dtype: torch.dtype | None = None,
     omit: Iterable[str] = (),
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     checksums: bool = True,
     dist_info: Distributed | None = None,
@@ -277,6 +294,8 @@ def write_weights_dir(
     """Write `tensors` as an HF weights directory at `dest` (see the module docstring).
 
     `dtype` is the dtype written (None: bfloat16 for CUDA tensors, the tensors' own on CPU).
+    `max_shard_bytes` None spreads the weights over one shard per writer thread (at least
+    MIN_SPREAD_SHARD_BYTES each), which are then written side by side: the fastest layout.
     With a collective stream every rank calls this; rank 0 writes and returns Written, others
     return None. With a mapping only rank 0 needs to call it (other ranks may pass None)."""
     started = time.monotonic()
@@ -296,8 +315,11 @@ def write_weights_dir(
         raise ValueError(f"cannot write dtype {target}; choose one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
     if chunk_bytes < 4096 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a multiple of 8 and at least 4096, not {chunk_bytes}")
+    if max_shard_bytes is None:
+        total = sum(spec.numel for spec in stream.specs) * target.itemsize
+        max_shard_bytes = max(MIN_SPREAD_SHARD_BYTES, -(-total // writer_threads()))
     shards = _plan_shards(stream.specs, target, max_shard_bytes)
-    source = stream.fetch([spec.name for shard in shards for spec in shard])
+    source = stream.fetch([spec.name for spec in _side_by_side(shards)])
     agree = stream.collective and dist_info is not None and dist_info.world_size > 1
     error: BaseException | None = None
     written = None
@@ -428,6 +450,13 @@ def _natural_key(name: str) -> tuple:
     return tuple(parts)
 
 
+def _side_by_side(shards: list[list[TensorSpec]]) -> list[TensorSpec]:
+    """The tensors in the order they are written: one of each shard in turn (each shard's own in
+    its file order), so the shards' files are filled side by side, each by its own writer thread
+    (buffered writes into one file are serialised by the kernel; into several, they are not)."""
+    return [spec for row in itertools.zip_longest(*shards) for spec in row if spec is not None]
+
+
 def _shard_names(count: int) -> list[str]:
     if count == 1:
         return [SINGLE_FILE]
@@ -444,20 +473,23 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
     try:
         files: dict[str, dict] = {}
         names = _shard_names(len(shards))
-        weight_map = {}
-        buffers = Buffers(chunk_bytes, pinned=any(spec.device.type == "cuda" for shard in shards for spec in shard))
-        for shard, name in zip(shards, names, strict=True):
-            sink = ShardFile(staging / name, buffers, checksums)
-            try:
-                sink.write(memoryview(header([(spec.name, spec.shape) for spec in shard], target)), what="the header")
-                for spec in shard:
-                    tensor_name, tensor = next(source, (None, None))
-                    _check_arrival(spec, tensor_name, tensor)
-                    sink.append(spec.name, tensor, target)
-                    del tensor  # under FSDP a gathered tensor is freed before the next is gathered
-                    weight_map[spec.name] = name
+        weight_map = {spec.name: name for shard, name in zip(shards, names, strict=True) for spec in shard}
+        pinned = any(spec.device.type == "cuda" for shard in shards for spec in shard)
+        pool = BufferPool(Buffers(chunk_bytes, pinned, BufferPool.size_for(len(shards))))
+        sinks: dict[str, ShardFile] = {}
+        try:
+            for shard, name in zip(shards, names, strict=True):
+                sinks[name] = ShardFile(staging / name, pool, checksums)
+                sinks[name].write(memoryview(header([(s.name, s.shape) for s in shard], target)), what="the header")
+            for spec in _side_by_side(shards):  # the order write_weights_dir fetches in
+                tensor_name, tensor = next(source, (None, None))
+                _check_arrival(spec, tensor_name, tensor)
+                sinks[weight_map[spec.name]].append(spec.name, tensor, target)
+                del tensor  # under FSDP a gathered tensor is freed before the next is gathered
+            for name, sink in sinks.items():
                 files[name] = sink.finish()
-            finally:
+        finally:
+            for sink in sinks.values():
                 sink.close()
         if len(shards) > 1:
             total = sum(spec.numel * target.itemsize for shard in shards for spec in shard)
