@@ -16,47 +16,28 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+sys.path.append(str(ROOT / "tests"))  # run_config, the tests' trainer configs
+
+from run_config import LEARNING, write_run_config  # noqa: E402
 
 
 def config(path: Path, run_dir: Path, model: Path, base: Path, steps: int, publish_every: int) -> Path:
-    path.write_text(f"""
-[run]
-dir = "{run_dir}"
-seed = 1
-
-[model]
-path = "{model}"
-
-[sft]
-base = "{base}"
-problems = 200
-stop_at_accuracy = 0.3
-
-[data]
-arithmetic_high = 20
-held_out = 41
-
-[rollout]
-prompts_per_step = 16
-samples_per_prompt = 8
-max_tokens = 4
-max_policy_lag = {publish_every - 1}
-rollout_venv = "{ROOT / ".venvs" / "rollout"}"
-worker_args = ["--max-model-len", "64"]
-
-[train]
-steps = {steps}
-lr = 1e-4
-
-[publish]
-every = {publish_every}
-""")
-    return path
+    """The smoke test's setting (LEARNING), publishing every `publish_every` steps."""
+    ours = {
+        "run": {"dir": run_dir},
+        "model": {"path": model},
+        "sft": {"base": base},
+        "rollout": {"max_policy_lag": publish_every - 1},
+        "train": {"steps": steps},
+        "publish": {"every": publish_every},
+    }
+    return write_run_config(path, LEARNING, ours)
 
 
 def trainer(*args: str) -> None:

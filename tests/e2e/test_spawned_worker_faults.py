@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import poll
+from run_config import ROLLOUT_VENV, SMALL_STEPS, write_run_config
 
 from protocol import exit_codes
 from protocol.messages import WorkerStatus
@@ -44,36 +45,15 @@ def model(tmp_path_factory) -> Path:
 
 
 def config(run_dir: Path, model: Path) -> Path:
-    path = run_dir.with_suffix(".toml")
-    path.write_text(f"""
-[run]
-dir = "{run_dir}"
-seed = 5
-
-[model]
-path = "{model}"
-
-[data]
-arithmetic_low = 0
-arithmetic_high = 9
-held_out = 10
-
-[rollout]
-prompts_per_step = 4
-samples_per_prompt = 4
-max_tokens = 4
-rollout_venv = "{ROOT / ".venvs" / "rollout"}"
-worker_args = {json.dumps(["--engine", "echo", *LEASE])}
-no_worker_grace_s = 30
-
-[train]
-steps = {STEPS}
-
-[checkpoint]
-every = 1
-keep_last = 2
-""")
-    return path
+    """SMALL_STEPS with a spawned echo worker and a checkpoint every step, written beside `run_dir`."""
+    ours = {
+        "run": {"dir": run_dir, "seed": 5},
+        "model": {"path": model},
+        "rollout": {"rollout_venv": ROLLOUT_VENV, "worker_args": ["--engine", "echo", *LEASE], "no_worker_grace_s": 30},
+        "train": {"steps": STEPS},
+        "checkpoint": {"every": 1, "keep_last": 2},
+    }
+    return write_run_config(run_dir.with_suffix(".toml"), SMALL_STEPS, ours)
 
 
 def launch(cfg: Path) -> subprocess.Popen:

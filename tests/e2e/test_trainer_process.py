@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ServedWorker, keep_running, poll
+from run_config import SMALL_STEPS, write_run_config
 
 from protocol import exit_codes
 from protocol.spool import Spool
@@ -37,37 +38,16 @@ STEPS = 6
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 
 
-def write_config(path: Path, run_dir: Path, model: Path, spool: Path, extra: str = "") -> Path:
-    path.write_text(f"""
-[run]
-dir = "{run_dir}"
-seed = 3
-deterministic = true
-
-[model]
-path = "{model}"
-
-[data]
-arithmetic_low = 0
-arithmetic_high = 9
-held_out = 10
-
-[rollout]
-prompts_per_step = 4
-samples_per_prompt = 4
-max_tokens = 4
-spawn = false
-spool = "{spool}"
-
-[train]
-steps = {STEPS}
-lr = 1e-4
-grad_accum = 2
-
-[checkpoint]
-keep_last = 2
-{extra}""")
-    return path
+def write_config(path: Path, run_dir: Path, model: Path, spool: Path, **sections: dict) -> Path:
+    """SMALL_STEPS, seeded and deterministic, on the shared worker's spool; `sections` add to it."""
+    ours = {
+        "run": {"dir": run_dir, "seed": 3, "deterministic": True},
+        "model": {"path": model},
+        "rollout": {"spawn": False, "spool": spool},
+        "train": {"steps": STEPS, "lr": 1e-4, "grad_accum": 2},
+        "checkpoint": {"keep_last": 2},
+    }
+    return write_run_config(path, SMALL_STEPS, ours, sections)
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +58,8 @@ def setting(tmp_path_factory):
     tiny = base / "tiny"
     subprocess.run([str(ROOT / ".venvs/rollout/bin/rollout-svc"), "tiny-model", str(tiny)], check=True)
     model = base / "warm"
-    sft = write_config(base / "sft.toml", base / "sft-run", model, base / "spool")
-    sft.write_text(
-        sft.read_text()
-        + f'[sft]\nbase = "{tiny}"\nproblems = 60\nsteps = 150\nstop_at_accuracy = 0.15\n'
-        + "eval_every = 25\neval_problems = 64\n"
-    )
+    warm_up = dict(base=tiny, problems=60, steps=150, stop_at_accuracy=0.15, eval_every=25, eval_problems=64)
+    sft = write_config(base / "sft.toml", base / "sft-run", model, base / "spool", sft=warm_up)
     done = subprocess.run([str(TRAINER), "sft", str(sft)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     spool = Spool(base / "spool", create=True)
@@ -194,7 +170,7 @@ def test_a_full_disk_while_saving_a_checkpoint_exits_74_and_the_relaunch_repeats
     base = setting["base"]
     run_dir = base / "full-checkpoint"
     config = write_config(
-        base / "full-checkpoint.toml", run_dir, setting["model"], setting["spool"].root, extra="every = 2\n"
+        base / "full-checkpoint.toml", run_dir, setting["model"], setting["spool"].root, checkpoint={"every": 2}
     )
     weights_bytes = (setting["model"] / "model.safetensors").stat().st_size
     # Published weights fit; a checkpoint's optimizer state (two tensors per parameter) does not.

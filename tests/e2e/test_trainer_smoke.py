@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from run_config import LEARNING, write_run_config
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,43 +23,18 @@ WINDOW = 30
 
 
 def write_config(
-    path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False, extra: str = "", steps: int = STEPS
+    path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False, steps: int = STEPS, **sections: dict
 ) -> Path:
-    path.write_text(f"""
-[run]
-dir = "{run_dir}"
-seed = 1
-
-[model]
-path = "{model}"
-
-[sft]
-base = "{base}"
-problems = 200
-stop_at_accuracy = 0.3
-
-[data]
-arithmetic_high = 20
-held_out = 41
-
-[rollout]
-prompts_per_step = 16
-samples_per_prompt = 8
-max_tokens = 4
-rollout_venv = "{ROOT / ".venvs" / "rollout"}"
-worker_args = ["--max-model-len", "64"]
-
-[train]
-steps = {steps}
-lr = 1e-4
-
-[reward]
-shuffle_control = {str(shuffle).lower()}
-
-[checkpoint]
-keep_last = 2
-{extra}""")
-    return path
+    """LEARNING, warmed up from `base`; `sections` add to it (a [band], a band_file in [data])."""
+    ours = {
+        "run": {"dir": run_dir},
+        "model": {"path": model},
+        "sft": {"base": base},
+        "train": {"steps": steps},
+        "reward": {"shuffle_control": shuffle},
+        "checkpoint": {"keep_last": 2},
+    }
+    return write_run_config(path, LEARNING, ours, sections)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -95,9 +71,9 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
     # Trained on noise, the control may drift into short answers and fire the collapse tripwire
     # (it did, at step 108 of one seed); what it shows is the reward's flat line, so it runs
     # without the tripwire.
-    unarmed = "[tripwire]\narmed = false\n"
+    unarmed = {"armed": False}
     control = run(
-        "train", str(write_config(base_dir / "control.toml", control_dir, model, base, shuffle=True, extra=unarmed))
+        "train", str(write_config(base_dir / "control.toml", control_dir, model, base, shuffle=True, tripwire=unarmed))
     )
     assert control.returncode == 0, control.stderr[-3000:]
 
@@ -127,15 +103,8 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
 def test_banding_through_the_rollout_service_gives_a_band_file_train_accepts(warm):
     base_dir, base, model = warm
     band_file = base_dir / "band.jsonl"
-    extra = f"""
-[band]
-samples = 8
-candidates = 64
-low = 0.1
-high = 0.9
-out = "{band_file}"
-"""
-    banding = run("band", str(write_config(base_dir / "band.toml", base_dir / "band-run", model, base, extra=extra)))
+    band = {"samples": 8, "candidates": 64, "low": 0.1, "high": 0.9, "out": band_file}
+    banding = run("band", str(write_config(base_dir / "band.toml", base_dir / "band-run", model, base, band=band)))
     assert banding.returncode == 0, banding.stderr[-3000:]
     manifest = json.loads(Path(str(band_file) + ".manifest.json").read_text())
     assert manifest["model"] == os.path.realpath(model) and sum(manifest["counts"].values()) == 64
@@ -143,15 +112,14 @@ out = "{band_file}"
     assert len(rows) == manifest["rows"] == manifest["counts"]["band"] > 0
     assert all(0.1 <= r["pass_rate"] <= 0.9 for r in rows)
 
-    config = write_config(base_dir / "banded.toml", base_dir / "banded-run", model, base, extra=extra, steps=4)
-    config.write_text(config.read_text().replace("[data]\n", f'[data]\nband_file = "{band_file}"\n'))
+    banded = {"band": band, "data": {"band_file": band_file}}
+    config = write_config(base_dir / "banded.toml", base_dir / "banded-run", model, base, steps=4, **banded)
     training = run("train", str(config))
     assert training.returncode == 0, training.stderr[-3000:]
     banner = json.loads((base_dir / "banded-run" / "stage_result.json").read_text())["banner"]
     assert banner["band_file"] == str(band_file) and banner["band_prompts"] == len(rows)
 
     # The same band file for another starting model is refused by its gate (exit 3).
-    other = write_config(base_dir / "other.toml", base_dir / "other-run", base, base, extra=extra, steps=4)
-    other.write_text(other.read_text().replace("[data]\n", f'[data]\nband_file = "{band_file}"\n'))
+    other = write_config(base_dir / "other.toml", base_dir / "other-run", base, base, steps=4, **banded)
     refused = run("train", str(other))
     assert refused.returncode == 3 and "band" in refused.stderr

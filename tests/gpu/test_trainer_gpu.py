@@ -16,10 +16,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent.parent
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))  # run_config, shared with the e2e tier and the benches
+
+from run_config import LEARNING, write_run_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -31,42 +38,21 @@ WINDOW = 30
 
 
 def write_config(
-    path: Path, run_dir: Path, model: Path, base: Path, *, steps: int, extra: str = "", dtype: str = "float32"
+    path: Path, run_dir: Path, model: Path, base: Path, *, steps: int, colocate: bool = False, dtype: str = "float32"
 ) -> Path:
-    path.write_text(f"""
-[run]
-dir = "{run_dir}"
-seed = 1
-
-[model]
-path = "{model}"
-dtype = "{dtype}"
-
-[sft]
-base = "{base}"
-problems = 200
-stop_at_accuracy = 0.3
-
-[data]
-arithmetic_high = 20
-held_out = 41
-
-[rollout]
-prompts_per_step = 16
-samples_per_prompt = 8
-max_tokens = 4
-rollout_venv = "{ROLLOUT}"
-worker_args = ["--max-model-len", "64", "--dtype", "{dtype}"]
-{extra}
-
-[train]
-steps = {steps}
-lr = 1e-4
-
-[publish]
-dtype = "{dtype}"
-""")
-    return path
+    """LEARNING, warmed up from `base`, with trainer, published weights and engine all in `dtype`."""
+    rollout = {"worker_args": ["--max-model-len", "64", "--dtype", dtype]}
+    if colocate:
+        rollout["colocate"] = True
+    ours = {
+        "run": {"dir": run_dir},
+        "model": {"path": model, "dtype": dtype},
+        "sft": {"base": base},
+        "rollout": rollout,
+        "train": {"steps": steps},
+        "publish": {"dtype": dtype},
+    }
+    return write_run_config(path, LEARNING, ours)
 
 
 def trainer(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -120,7 +106,7 @@ def check_learned(run_dir: Path, done: subprocess.CompletedProcess) -> None:
 def test_one_gpu_colocated_learns_beside_a_worker_in_sleep_mode(warm):
     base_dir, base, model = warm
     run_dir = base_dir / "colocated"
-    config = write_config(base_dir / "colocated.toml", run_dir, model, base, steps=STEPS, extra="colocate = true")
+    config = write_config(base_dir / "colocated.toml", run_dir, model, base, steps=STEPS, colocate=True)
     done = trainer("train", str(config), env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")[:1]})
     print("\n" + summary("one GPU, colocated", run_dir))
     check_learned(run_dir, done)
@@ -147,8 +133,8 @@ def test_two_gpus_trainer_on_one_worker_on_the_other_learns(warm):
 def test_bf16_the_gpu_default_runs_end_to_end(warm):
     base_dir, base, model = warm
     run_dir = base_dir / "bf16"
-    extra = "colocate = true" if torch.cuda.device_count() < 2 else ""
-    config = write_config(base_dir / "bf16.toml", run_dir, model, base, steps=20, extra=extra, dtype="bfloat16")
+    colocate = torch.cuda.device_count() < 2
+    config = write_config(base_dir / "bf16.toml", run_dir, model, base, steps=20, colocate=colocate, dtype="bfloat16")
     done = trainer("train", str(config))
     print("\n" + summary("bf16", run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
