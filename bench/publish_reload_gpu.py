@@ -2,13 +2,15 @@
 (trainer_svc.weight_sync's writer: bf16 from the GPU, one directory per step) and a vLLM engine
 (rollout_svc's VllmEngine, what the worker runs) reloads them in place and verifies them.
 
-    python bench/publish_reload_gpu.py [--shape 1.5b] [--media /dev/shm,build] [--steps 5] [--json OUT]
+    python bench/publish_reload_gpu.py [--shape 1.5b] [--media /dev/shm,build] [--steps 5]
+                                       [--writer-threads 4,8] [--json OUT]
 
 A Qwen2.5-shaped model, random-initialised on the GPU (no download), plays the trainer's policy;
 each step nudges every parameter in place, publishes into the medium, and has the engine load
 that directory (inspect, reload_weights, reset the prefix cache, verify the live tensors against
-the files). Reported per medium: the medians of publish, reload and their sum. Target on tmpfs at
-the 1.5B shape: publish + reload < 1.5 s.
+the files). Reported per medium (and per count of writer threads, each step publishing once with
+each, side by side): the medians of publish, reload and their sum. Target on tmpfs at the 1.5B
+shape: publish + reload < 1.5 s.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
     parser.add_argument("--media", default="/dev/shm,build", help="comma-separated directories to publish into")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--writer-threads", default="", help="comma-separated thread counts (default: the writer's)")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -66,6 +69,7 @@ def main() -> None:
     from rollout_svc.weights import WeightsPolicy
     from trainer_svc.model import Distributed
     from trainer_svc.publish import publish
+    from trainer_svc.safetensors_stream import use_writer_threads, writer_threads
     from trainer_svc.weights_writer import iter_full_tensors
 
     work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
@@ -94,40 +98,54 @@ def main() -> None:
                 dtype=torch.bfloat16,
             )
             build_s = engine.ensure_weights(str(first.path), first.content_id)
-            publishes, reloads, gigabytes = [], [], first.bytes / 1e9
+            gigabytes = first.bytes / 1e9
+            counts = [int(c) for c in args.writer_threads.split(",") if c] or [None]
+            publishes = {count: [] for count in counts}
+            reloads = {count: [] for count in counts}
+            published = 0
             for step in range(1, args.steps + 1):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.mul_(1.0 + 1e-3 * step)
-                torch.cuda.synchronize()
-                started = time.monotonic()
-                record = publish(
-                    step,
-                    iter_full_tensors(model, dist_info),
-                    publish_dir=publish_dir,
-                    base_model=base,
-                    dist_info=dist_info,
-                    dtype=torch.bfloat16,
-                )
-                publishes.append(time.monotonic() - started)
-                started = time.monotonic()
-                engine.ensure_weights(str(record.path), record.content_id)
-                reloads.append(time.monotonic() - started)
-                shutil.rmtree(publish_dir / f"step_{step - 1:08d}", ignore_errors=True)
-                say(f"{medium} step {step}: publish {publishes[-1]:.3f} s, reload {reloads[-1]:.3f} s")
+                for count in counts:  # side by side: each step publishes once with each count
+                    use_writer_threads(count)
+                    published += 1
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.mul_(1.0 + 1e-3 * step)
+                    torch.cuda.synchronize()
+                    started = time.monotonic()
+                    record = publish(
+                        published,
+                        iter_full_tensors(model, dist_info),
+                        publish_dir=publish_dir,
+                        base_model=base,
+                        dist_info=dist_info,
+                        dtype=torch.bfloat16,
+                    )
+                    publishes[count].append(time.monotonic() - started)
+                    started = time.monotonic()
+                    engine.ensure_weights(str(record.path), record.content_id)
+                    reloads[count].append(time.monotonic() - started)
+                    shutil.rmtree(publish_dir / f"step_{published - 1:08d}", ignore_errors=True)
+                    say(
+                        f"{medium} step {step}, {writer_threads()} writer threads, "
+                        f"{len(list(record.path.glob('*.safetensors')))} shards: "
+                        f"publish {publishes[count][-1]:.3f} s, reload {reloads[count][-1]:.3f} s"
+                    )
             engine.close()
             shutil.rmtree(publish_dir, ignore_errors=True)
-            p, r = statistics.median(publishes), statistics.median(reloads)
-            figures[medium] = {
-                "gigabytes": round(gigabytes, 3),
-                "engine_build_s": round(build_s, 1),
-                "publish_s_median": round(p, 3),
-                "publish_gb_per_s": round(gigabytes / p, 2),
-                "reload_s_median": round(r, 3),
-                "publish_plus_reload_s": round(p + r, 3),
-                "publish_s": [round(x, 3) for x in publishes],
-                "reload_s": [round(x, 3) for x in reloads],
-            }
+            for count in counts:
+                use_writer_threads(count)
+                p, r = statistics.median(publishes[count]), statistics.median(reloads[count])
+                figures[f"{medium}, {writer_threads()} writer threads"] = {
+                    "gigabytes": round(gigabytes, 3),
+                    "engine_build_s": round(build_s, 1),
+                    "publish_s_median": round(p, 3),
+                    "publish_gb_per_s": round(gigabytes / p, 2),
+                    "reload_s_median": round(r, 3),
+                    "publish_plus_reload_s": round(p + r, 3),
+                    "publish_s": [round(x, 3) for x in publishes[count]],
+                    "reload_s": [round(x, 3) for x in reloads[count]],
+                }
+            use_writer_threads(None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     data = {

@@ -327,11 +327,27 @@ def _extend_crc(sink: ShardFile, data: memoryview, event, previous: Future | Non
 
 
 _pools: dict[str, ThreadPoolExecutor] = {}
+MAX_WRITER_THREADS = 4
+
+
+_threads_wanted: int | None = None  # use_writer_threads' setting; None: the default
 
 
 def writer_threads() -> int:
-    # Writes into the page cache scale with cores (tmpfs, a fast disk); more than 4 buys little.
-    return max(1, min(4, (os.cpu_count() or 1) - 1))
+    """Writer threads, and the shards a spread publish makes: one core is left to the caller.
+    Writes into one file serialise in the kernel, so threads only help across files."""
+    if _threads_wanted is not None:
+        return _threads_wanted
+    return max(1, min(MAX_WRITER_THREADS, (os.cpu_count() or 1) - 1))
+
+
+def use_writer_threads(count: int | None) -> None:
+    """Write with `count` threads from now on (None: the default). For measuring."""
+    global _threads_wanted
+    _threads_wanted = count
+    pool = _pools.pop("write", None)
+    if pool is not None:
+        pool.shutdown(wait=True)
 
 
 def _writers() -> ThreadPoolExecutor:
