@@ -1,5 +1,6 @@
-"""Step time, synchronous against generating ahead (rollout.ahead = 1), on the demo's config, side
-by side in one run: the issue's target is a step of at most 1.15 x max(generation, training).
+"""Step time, synchronous against generating ahead (rollout.ahead = 1), without and with spare
+prompts (rollout.spare_prompts), on the demo's config, side by side in one run: the target is a
+step of at most 1.15 x max(generation, training).
 
     .venvs/trainer/bin/python bench/step_time.py [--steps 100] [--rounds 2] [--json OUT]
 
@@ -32,7 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
 MODEL = ROOT / "runs" / "demo" / "sft-model"
 STEP_IN_ID = re.compile(r"-train-s(\d{8})-a\d+-p\d+-")
-SETTINGS = {"synchronous": "ahead = 0\nmax_policy_lag = 0\n", "ahead = 1": "ahead = 1\nmax_policy_lag = 1\n"}
+SETTINGS = {
+    "synchronous": "ahead = 0\nmax_policy_lag = 0\nspare_prompts = 0\n",
+    "ahead = 1": "ahead = 1\nmax_policy_lag = 1\nspare_prompts = 0\n",
+    # dead groups replaced from spares sampled with the step, instead of by a retry it waits for
+    "ahead = 1, 8 spare prompts": "ahead = 1\nmax_policy_lag = 1\nspare_prompts = 8\n",
+}
 
 
 def write_config(path: Path, run_dir: Path, steps: int, rollout_keys: str) -> Path:
@@ -40,7 +46,7 @@ def write_config(path: Path, run_dir: Path, steps: int, rollout_keys: str) -> Pa
     text = text.replace('dir = "runs/demo"', f'dir = "{run_dir}"')
     text = text.replace('path = "runs/demo/sft-model"', f'path = "{MODEL}"')
     text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
-    text = re.sub(r"(?m)^(ahead|max_policy_lag) = \d+.*\n", "", text)  # set below, per setting
+    text = re.sub(r"(?m)^(ahead|max_policy_lag|spare_prompts) = \d+.*\n", "", text)  # set below, per setting
     text = text.replace('base = "build/tiny-model"', f'base = "{ROOT / "build" / "tiny-model"}"')
     rollout = f'[rollout]\nrollout_venv = "{ROOT / ".venvs" / "rollout"}"\n{rollout_keys}'
     path.write_text(text.replace("[rollout]\n", rollout, 1))
@@ -74,6 +80,7 @@ def launch(work: Path, label: str, steps: int) -> dict:
         "rollout_wait_s": statistics.median(r["rollout_s"] for r in kept),
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in kept),
         "dropped_stale": sum(r["dropped_stale"] for r in rows),
+        "retries_mean": statistics.fmean(r["retries"] for r in kept),
         "wall_s": sum(r["step_s"] for r in rows),
         "reward_first_last_10": statistics.fmean(r["reward_first"] for r in rows[-10:]),
     }

@@ -85,6 +85,10 @@ class RolloutConfig(Struct):
     # for again. Must allow ahead + publish.every - 1 (the launch gate checks).
     max_policy_lag: NonNegative = 0
     fan_out: NonNegative = 0  # requests per sampling call; 0: one per live worker (at most one per prompt)
+    # Prompts sampled beside a step's own in its first sampling: a dead group (all rewards equal)
+    # is replaced by a live spare group at once, instead of by a retry the step must wait for.
+    # Spares left over are not trained on.
+    spare_prompts: NonNegative = 0
     timeout_s: PositiveFloat = 600.0  # longest wait for one sampling call's results
     no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
     # One GPU for both: the spawned worker shares training rank 0's GPU, takes at most

@@ -205,6 +205,7 @@ def stage_result(
         "dead_groups": {
             "initial": sum(r["dead_groups"] for r in rows),
             "after_retry": sum(r["dead_groups_after_retry"] for r in rows),
+            "replaced_by_spares": sum(r.get("spares_used", 0) for r in rows),  # absent in older runs
             "retries": sum(r["retries"] for r in rows),
         },
         "mismatch": {"mean": totals.get("mismatch_mean"), "max": totals.get("mismatch_max")},

@@ -2,11 +2,13 @@
 sent to every rank (StepSampler).
 
 A group whose G rewards are all equal has zero advantage everywhere and teaches nothing. Such
-dead groups are counted and, up to `loss.dead_group_retries` times per step, replaced by
-groups of fresh prompts; what is still dead after that stays in the batch (it adds nothing to
-the gradient, and the step's size stays what the config says). The step's reward before any
-replacement (`reward_first`) is the policy's own estimate; the trained batch's (`reward_trained`)
-understates the policy once it is good, since its all-correct groups are swapped for live ones.
+dead groups are counted and replaced: first by the live groups of `rollout.spare_prompts` extra
+prompts sampled with the step's own (no wait), then, up to `loss.dead_group_retries` times per
+step, by groups of fresh prompts sampled again (the step waits for each); what is still dead
+after that stays in the batch (it adds nothing to the gradient, and the step's size stays what
+the config says). The first sampling's reward (`reward_first`, over the step's prompts and its
+spares) is the policy's own estimate; the trained batch's (`reward_trained`) understates the
+policy once it is good, since its all-correct groups are swapped for live ones.
 
 Generating ahead (`rollout.ahead = k`): while step s trains, the first sampling of steps
 s+1..s+k is in flight, each sent with the newest published weights of its time, so a step's
@@ -101,12 +103,13 @@ class StepRollouts:
     rewards: torch.Tensor  # [P, G]
     breakdowns: list[list[RewardBreakdown]]
     advantages: torch.Tensor  # [P, G]
-    dead_initial: int  # dead groups in the first sampling
-    dead_final: int  # dead groups left after the retries
+    dead_initial: int  # dead groups among the step's own prompts in the first sampling
+    dead_final: int  # dead groups left after the spares and the retries
     retries: int  # extra requests made
     reward_first: float = 0.0  # mean reward of the first sampling, before dead groups were replaced
     staleness_mean: float = 0.0  # mean over the batch's groups of (step - the weights step that sampled it)
     dropped_stale: int = 0  # groups dropped as staler than rollout.max_policy_lag (and sampled again)
+    spares_used: int = 0  # dead groups replaced by spare groups of the first sampling
     generate_s: float = 0.0  # waiting for the rollout service (generation, queueing, reloads)
     score_s: float = 0.0  # rewards: answer extraction, verifier, shaping
 
@@ -142,6 +145,11 @@ class StepSampler:
             local = self._sample(step, weights)
         return self.dist.from_rank0(local)  # one object: a step's rollouts are small
 
+    @property
+    def _first_size(self) -> int:
+        """Prompts in a step's first sampling: its own and the spares."""
+        return self.cfg.rollout.prompts_per_step + self.cfg.rollout.spare_prompts
+
     def state_dict(self) -> list[dict]:
         """The calls in flight, oldest step first (empty on ranks other than 0)."""
         return [self.in_flight[step].state_dict() for step in sorted(self.in_flight)]
@@ -167,9 +175,7 @@ class StepSampler:
         last = min(step + self.cfg.rollout.ahead, self.cfg.train.steps - 1)
         for ahead in range(step + 1, last + 1):
             if ahead not in self.in_flight:
-                self.in_flight[ahead] = self._send(
-                    ahead, weights, 0, self.stream.take(self.cfg.rollout.prompts_per_step)
-                )
+                self.in_flight[ahead] = self._send(ahead, weights, 0, self.stream.take(self._first_size))
 
     def _sample(self, step: int, weights: WeightsRef) -> StepRollouts:
         cfg = self.cfg
@@ -195,17 +201,22 @@ class StepSampler:
 
         first = self.in_flight.pop(step, None)
         if first is None:
-            first = self._send(step, weights, 0, self.stream.take(cfg.rollout.prompts_per_step))
+            first = self._send(step, weights, 0, self.stream.take(self._first_size))
         dropped = 0
         if step - first.ticket.weights_step > cfg.rollout.max_policy_lag:
             # Sampled by weights too old to train on: the same prompts again, from the newest.
             dropped = len(first.problems)
             first = self._send(step, weights, 0, first.problems)
-        problems = list(first.problems)
         groups, breakdowns = collect_and_score(first)
         reward_first = sum(b.total for group in breakdowns for b in group) / sum(len(group) for group in breakdowns)
-        dead = [i for i, b in enumerate(breakdowns) if _is_dead(b)]
-        dead_initial, retries = len(dead), 0
+        own = cfg.rollout.prompts_per_step
+        problems, spares = list(first.problems[:own]), range(own, len(first.problems))
+        live_spares = [i for i in spares if not _is_dead(breakdowns[i])]
+        dead = [i for i in range(own) if _is_dead(breakdowns[i])]
+        dead_initial, retries, spares_used = len(dead), 0, min(len(dead), len(live_spares))
+        for slot, spare in zip(dead, live_spares, strict=False):
+            problems[slot], groups[slot], breakdowns[slot] = first.problems[spare], groups[spare], breakdowns[spare]
+        dead, groups, breakdowns = dead[spares_used:], groups[:own], breakdowns[:own]
         retry = None
         if dead and cfg.loss.dead_group_retries:
             retry = self._send(step, weights, 1, self.stream.take(len(dead)))
@@ -241,6 +252,7 @@ class StepSampler:
             reward_first=reward_first,
             staleness_mean=sum(step - g.weights_step for g in groups) / len(groups),
             dropped_stale=dropped,
+            spares_used=spares_used,
             generate_s=spent["generate"],
             score_s=spent["score"],
         )
@@ -269,6 +281,7 @@ def summarize(r: StepRollouts) -> dict:
         "retries": r.retries,
         "staleness_mean": r.staleness_mean,
         "dropped_stale": r.dropped_stale,
+        "spares_used": r.spares_used,
         "generate_s": r.generate_s,
         "score_s": r.score_s,
     }
