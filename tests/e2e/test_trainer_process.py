@@ -126,7 +126,14 @@ def interrupt_after(config: Path, run_dir: Path, rows: int, send) -> None:
     with a checkpoint of that step and exit 75."""
     proc = launch(config)
     try:
-        seen = poll(lambda: len(step_rows(run_dir)), lambda n: n >= rows or proc.poll() is not None, timeout_s=600)
+        # Polled often: a step takes a tenth of a second here, and a signal sent after the last
+        # step would find the run finished.
+        seen = poll(
+            lambda: len(step_rows(run_dir)),
+            lambda n: n >= rows or proc.poll() is not None,
+            timeout_s=600,
+            interval_s=0.005,
+        )
         assert proc.poll() is None and seen >= rows, log_tail(proc)
         send(proc)
         assert proc.wait(timeout=600) == exit_codes.RESUMABLE_STOP, log_tail(proc)
