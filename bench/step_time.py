@@ -67,8 +67,11 @@ def engine_seconds(spool_dir: Path) -> dict[int, float]:
 def launch(work: Path, label: str, steps: int) -> dict:
     run_dir = work / f"run-{label.replace(' ', '').replace('=', '')}-{time.monotonic_ns()}"
     config = write_config(work / "bench.toml", run_dir, steps, SETTINGS[label])
-    with open(work / f"{run_dir.name}.log", "w") as log:
-        subprocess.run([str(TRAINER), "train", str(config)], cwd=ROOT, stdout=log, stderr=log, check=True)
+    log_path = work / f"{run_dir.name}.log"
+    with open(log_path, "w") as log:
+        done = subprocess.run([str(TRAINER), "train", str(config)], cwd=ROOT, stdout=log, stderr=log)
+    if done.returncode:
+        raise SystemExit(f"{label}: the trainer exited {done.returncode}:\n{log_path.read_text()[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     engine = engine_seconds(run_dir / "spool")
     shutil.rmtree(run_dir, ignore_errors=True)

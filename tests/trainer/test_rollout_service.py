@@ -99,6 +99,22 @@ def test_a_call_is_split_over_the_live_workers_and_gathered_in_prompt_order(tmp_
         service.close()
 
 
+def test_a_run_directory_named_with_any_characters_gives_valid_request_ids(tmp_path, workers):
+    workers.start("echo-a")
+    cfg = make_config(
+        tmp_path / ",run 1+b=é",
+        tmp_path / "model",
+        rollout={"spool": str(tmp_path / "spool"), "timeout_s": 60.0, "no_worker_grace_s": 30.0},
+    )
+    service = RolloutService(cfg)
+    try:
+        ticket = service.submit(["1+1="], weights=WEIGHTS, step=0, attempt=0, seed=1, tag="train set")
+        assert [id.split("-s00000000")[0] for id in ticket.request_ids] == ["x_run_1_b__-train_set"]
+        assert [g.samples[0].text for g in service.collect(ticket)] == ["1+1="]
+    finally:
+        service.close()
+
+
 def test_a_relaunch_uses_results_in_the_spool_awaits_pending_ones_and_sends_only_lost_ones(tmp_path, workers):
     cfg = service_config(tmp_path, fan_out=2)
     spool = Spool(tmp_path / "spool", create=True)

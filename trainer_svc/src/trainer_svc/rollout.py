@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -338,9 +339,8 @@ class RolloutService:
             fields = {**asked, "prompts": list(ticket.prompts[start : start + size]), "seed": ticket.seed + part}
             start += size
             digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-            name = (
-                f"{self.cfg.run_dir.name[:40]}-{ticket.tag[:12]}-s{ticket.step:08d}-a{ticket.attempt}-p{part}-{digest}"
-            )
+            run, tag = _id_part(self.cfg.run_dir.name[:40]), _id_part(ticket.tag[:12])
+            name = f"{run}-{tag}-s{ticket.step:08d}-a{ticket.attempt}-p{part}-{digest}"
             requests.append(Request(request_id=name, **fields))
         return requests
 
@@ -411,3 +411,10 @@ def _is_worker_process(pid: int, spool_dir: Path) -> bool:
     except OSError:
         return False
     return _alive(pid) and "serve" in args and str(spool_dir) in args and any("rollout-svc" in a for a in args)
+
+
+def _id_part(text: str) -> str:
+    """`text` as part of a request id, which allows letters, digits and . _ - only and must start
+    with a letter or digit: any other character (a run directory named "run 1,b") becomes _."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)
+    return safe if safe[:1].isalnum() else f"x{safe}"
