@@ -1,7 +1,8 @@
 """Learning with rollout.ahead = 1 against synchronous (ahead = 0) on the demo, seed by seed, with
 the engine/trainer correction on (loss.correction = "tis") and off ("none").
 
-    .venvs/trainer/bin/python bench/learning_ahead.py [--seeds 0 1 2] [--steps 400] [--json OUT]
+    .venvs/trainer/bin/python bench/learning_ahead.py [--seeds 0 1 2] [--steps 400] [--work DIR]
+                                                      [--corrections tis none] [--json OUT]
 
 One supervised warm-up (`trainer-svc sft` on configs/demo.toml, into the work directory), then
 one GRPO run of configs/demo.toml from it per (seed, ahead, correction), one at a time; only
@@ -149,7 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--work", type=Path, default=WORK)
+    parser.add_argument("--work", type=Path, default=WORK, help="its runs.jsonl: runs already done are skipped")
+    parser.add_argument("--corrections", nargs="+", default=["tis", "none"], choices=["tis", "none"])
     parser.add_argument("--json")
     args = parser.parse_args()
     os.chdir(ROOT)  # the config's relative paths (the base model, the rollout venv) are the checkout's
@@ -158,7 +160,7 @@ def main() -> None:
     model = warm_up(args.work)
     ledger = args.work / "runs.jsonl"
     done = [json.loads(line) for line in ledger.read_text().splitlines()] if ledger.exists() else []
-    for correction in ("tis", "none"):
+    for correction in args.corrections:
         for seed in args.seeds:
             for ahead in (0, 1):
                 if any(

@@ -99,7 +99,7 @@ def test_a_call_is_split_over_the_live_workers_and_gathered_in_prompt_order(tmp_
         service.close()
 
 
-def test_a_run_directory_named_with_any_characters_gives_valid_request_ids(tmp_path, workers):
+def test_a_run_directory_named_with_any_characters_gives_valid_request_and_worker_ids(tmp_path, workers):
     workers.start("echo-a")
     cfg = make_config(
         tmp_path / ",run 1+b=é",
@@ -110,6 +110,7 @@ def test_a_run_directory_named_with_any_characters_gives_valid_request_ids(tmp_p
     try:
         ticket = service.submit(["1+1="], weights=WEIGHTS, step=0, attempt=0, seed=1, tag="train set")
         assert [id.split("-s00000000")[0] for id in ticket.request_ids] == ["x_run_1_b__-train_set"]
+        assert service.worker_id == "x_run_1_b__-rollout"  # the id a spawned worker would serve under
         assert [g.samples[0].text for g in service.collect(ticket)] == ["1+1="]
     finally:
         service.close()

@@ -159,7 +159,7 @@ class RolloutService:
         self.cuda_devices = cuda_devices
         self.proc: subprocess.Popen | None = None
         self.log_path = cfg.run_dir / "rollout-worker.log"
-        self.worker_id = f"{cfg.run_dir.name[:40]}-rollout"
+        self.worker_id = f"{_id_part(cfg.run_dir.name[:40])}-rollout"
         self.seen_live = False  # the spawned worker's heartbeat was seen fresh at least once
         self.client = SpoolClient(cfg.spool_dir, no_worker_grace_s=cfg.rollout.no_worker_grace_s)
         if cfg.rollout.spawn:
@@ -414,7 +414,8 @@ def _is_worker_process(pid: int, spool_dir: Path) -> bool:
 
 
 def _id_part(text: str) -> str:
-    """`text` as part of a request id, which allows letters, digits and . _ - only and must start
-    with a letter or digit: any other character (a run directory named "run 1,b") becomes _."""
+    """`text` as part of a request or worker id, which allow letters, digits and . _ - only and
+    must start with a letter or digit: any other character (a run directory named "run 1,b")
+    becomes _."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)
     return safe if safe[:1].isalnum() else f"x{safe}"
