@@ -51,6 +51,8 @@ def main() -> None:
         "ahead": result["banner"]["shape"].get("ahead"),
         "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in rows), 3),
         "dropped_stale": sum(r["dropped_stale"] for r in rows),
+        "spares_used_per_step": round(statistics.fmean(r.get("spares_used", 0) for r in rows), 3),
+        "retries_per_step": round(statistics.fmean(r["retries"] for r in rows), 3),
         "met": minutes <= TARGET_MINUTES and s["reward_gain"] >= TARGET_GAIN,
         "median_step_s": round(statistics.median(r["step_s"] for r in rows), 3),
         "median_rollout_s": round(statistics.median(r["rollout_s"] for r in rows), 3),

@@ -95,17 +95,22 @@ def finish(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def signal_worker_and_expect_69(proc: subprocess.Popen, worker_pid: int, cfg: Path, sig: int, what: str) -> None:
+    """Send `sig` to the worker; the trainer must exit 69 (rollout unavailable). Prints how long it took."""
+    try:
+        sent_at = time.monotonic()
+        os.kill(worker_pid, sig)
+        assert proc.wait(timeout=300) == exit_codes.ROLLOUT_UNAVAILABLE, output(cfg)[-3000:]
+        print(f"\nexit 69 {time.monotonic() - sent_at:.1f} s after {what}")
+    finally:
+        finish(proc)
+
+
 def test_a_killed_worker_ends_the_run_with_69_and_the_relaunch_resumes(model, tmp_path):
     run_dir = tmp_path / "killed"
     cfg = config(run_dir, model)
     proc, worker = running(run_dir, cfg)
-    try:
-        killed_at = time.monotonic()
-        os.kill(worker.pid, signal.SIGKILL)
-        assert proc.wait(timeout=300) == exit_codes.ROLLOUT_UNAVAILABLE, output(cfg)[-3000:]
-        print(f"\nexit 69 {time.monotonic() - killed_at:.1f} s after the worker's SIGKILL")
-    finally:
-        finish(proc)
+    signal_worker_and_expect_69(proc, worker.pid, cfg, signal.SIGKILL, "the worker's SIGKILL")
     assert "the rollout worker exited with code -9" in output(cfg) and "rollout-worker.log" in output(cfg)
     done = len(rows(run_dir))
     relaunch = launch(cfg)
@@ -123,12 +128,8 @@ def test_a_frozen_worker_ends_the_run_with_69_and_is_stopped(model, tmp_path):
     cfg = config(run_dir, model)
     proc, worker = running(run_dir, cfg)
     try:
-        frozen_at = time.monotonic()
-        os.kill(worker.pid, signal.SIGSTOP)
-        assert proc.wait(timeout=300) == exit_codes.ROLLOUT_UNAVAILABLE, output(cfg)[-3000:]
-        print(f"\nexit 69 {time.monotonic() - frozen_at:.1f} s after the worker froze (lease 3 s)")
+        signal_worker_and_expect_69(proc, worker.pid, cfg, signal.SIGSTOP, "the worker froze (lease 3 s)")
     finally:
-        finish(proc)
         if alive(worker.pid):
             os.kill(worker.pid, signal.SIGCONT)
     assert "heartbeat stood still" in output(cfg) and "rollout-worker.log" in output(cfg)

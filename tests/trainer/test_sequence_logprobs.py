@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from trainer_svc.batch import collate
-from trainer_svc.grpo import token_logprobs
+from trainer_svc.grpo import logprobs_and_entropy
 from trainer_svc.model import Distributed, compile_layers, load_policy
 from trainer_svc.rollout import Group, Sample
 from trainer_svc.train_step import sequence_logprobs
@@ -34,7 +34,7 @@ def ragged_batch():
 
 def full_forward_logprobs(model, batch):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    return token_logprobs(logits, batch.targets, TEMPERATURE)
+    return logprobs_and_entropy(logits, batch.targets, TEMPERATURE)[0]
 
 
 def gradients_of(model, logp, batch) -> list[torch.Tensor]:

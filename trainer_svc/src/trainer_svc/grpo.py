@@ -94,50 +94,25 @@ def _upcast(logits: Tensor) -> Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
-    """Log-probability of each token under softmax(logits / temperature).
+def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """Log-probability of each token, and entropy of the distribution it was drawn from, under
+    softmax(logits / temperature), in one pass over the logits.
 
-    logits: [B, T, V] (any float dtype), tokens: [B, T] int64 -> [B, T], float32 or wider.
+    logits: [B, T, V] (any float dtype), tokens: [B, T] int64 -> (logp [B, T], H [B, T]),
+    float32 or wider. With s = logits / temperature and lse = logsumexp(s):
 
-        logp[b, t] = log_softmax(logits[b, t] / temperature)[tokens[b, t]]
+        logp[b, t] = log_softmax(s[b, t])[tokens[b, t]] = s[b, t, tokens[b, t]] - lse[b, t]
+        H[b, t]    = -sum_v p_v log p_v = lse[b, t] - sum_v p_v s[b, t, v],   p = softmax(s[b, t])
 
-    computed in at least float32 even for bf16 logits. The temperature must be the sampling
-    temperature, so that logp matches the behaviour policy's log-probabilities.
+    computed in at least float32 even for bf16 logits. Gathering minus lse equals gathering the
+    log-softmax without a second [B, T, V] tensor, and the entropy reuses lse instead of a second
+    log-softmax. The temperature must be the sampling temperature, so that logp matches the
+    behaviour policy's log-probabilities. The entropy is a statistic: it is computed without a
+    graph (detached), so nothing of it is kept for the backward pass.
 
     No shifting: logits[b, t] is paired with tokens[b, t]. A causal LM's logits at position t
     predict the token at t + 1, so the caller passes logits[:, :-1] with tokens[:, 1:].
     Every token id must be valid, padding included (the weights mask padding out later).
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = _upcast(logits) / temperature  # [B, T, V]
-    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
-    # gather - logsumexp equals gathering log_softmax without a second [B, T, V] tensor.
-    return picked - torch.logsumexp(scaled, dim=-1)
-
-
-def entropy(logits: Tensor, temperature: float) -> Tensor:
-    """Entropy of the sampling distribution at each position.
-
-    logits: [B, T, V] -> [B, T], float32 or wider.
-
-        H[b, t] = -sum_v p_v log p_v,   p = softmax(logits[b, t] / temperature)
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    log_probs = torch.log_softmax(_upcast(logits) / temperature, dim=-1)  # [B, T, V]
-    return -(log_probs.exp() * log_probs).sum(dim=-1)
-
-
-def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """``token_logprobs`` and ``entropy`` in one pass over the logits: (logp [B, T], H [B, T]).
-
-    Both need the log-normaliser lse = logsumexp(logits / temperature); the entropy reuses it,
-
-        H = -sum_v p_v (s_v - lse) = lse - sum_v p_v s_v,   s = logits / temperature,
-
-    instead of a second log-softmax over [B, T, V]. The entropy is a statistic: it is computed
-    without a graph (detached), so nothing of it is kept for the backward pass.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
