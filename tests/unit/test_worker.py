@@ -367,8 +367,9 @@ def status_of(spool: Spool) -> WorkerStatus:
 def test_an_idle_worker_puts_its_engine_to_sleep_and_a_request_wakes_it(spool, make_request, run_worker, wait_for):
     engine = SleepyEngine()
     handle = run_worker(spool, engine, sleep_when_idle_s=0.3)
-    wait_for(lambda: engine.asleep and handle.worker.tally.asleep, what="the engine asleep")
-    assert engine.sleeps == 1 and status_of(spool).state == "sleeping"
+    # The tally changes before the status file is rewritten: wait for what an operator sees.
+    wait_for(lambda: handle.worker.tally.asleep and status_of(spool).state == "sleeping", what="the engine asleep")
+    assert engine.sleeps == 1 and engine.asleep
     tally = handle.worker.tally
     assert (tally.sleeps, tally.sleep_s, tally.wakes) == (1, 0.01, 0)
     spool.submit(make_request("wakes-it"))
