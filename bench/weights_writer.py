@@ -131,7 +131,7 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def write(model, dist_info, out: Path, base_dir: Path, step: int, checksums: bool) -> None:
+def write(model, dist_info, base_dir: Path, step: int, checksums: bool, out: Path) -> None:
     from trainer_svc.weights_writer import iter_full_tensors, write_weights_dir
 
     stream = iter_full_tensors(model, dist_info)
@@ -139,19 +139,10 @@ def write(model, dist_info, out: Path, base_dir: Path, step: int, checksums: boo
 
 
 def save_pretrained(model, out: Path) -> None:
+    from protocol.fsio import fsync_tree
+
     model.save_pretrained(out, safe_serialization=True)
     fsync_tree(out)
-
-
-def fsync_tree(path: Path) -> None:
-    for directory, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(directory, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
 
 
 def weight_bytes(path: Path) -> int:
@@ -162,21 +153,21 @@ def measure(model, base_dir: Path, medium: Path, tmpfs: bool, repeats: int, dist
     runs: dict[str, list[float]] = {"raw": [], "writer": [], "writer_no_crc": [], "save_pretrained": []}
     nbytes = 0
     for repeat in range(repeats):
+        variants = {  # each writes the same weights into a directory of its own
+            "writer": partial(write, model, dist_info, base_dir, repeat, True),
+            "writer_no_crc": partial(write, model, dist_info, base_dir, repeat, False),
+            "save_pretrained": partial(save_pretrained, model),
+        }
         work = Path(tempfile.mkdtemp(prefix="bench-ww-", dir=medium))
         try:
-            for checksums, key in ((True, "writer"), (False, "writer_no_crc")):
+            for key, write_into in variants.items():
                 out = work / key
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
-                seconds = timed(partial(write, model, dist_info, out, base_dir, repeat, checksums))
-                nbytes = weight_bytes(out)
-                runs[key].append(nbytes / seconds)
+                seconds = timed(partial(write_into, out))
+                runs[key].append(weight_bytes(out) / seconds)
+                nbytes = nbytes or weight_bytes(out)  # the writer's, for the raw write and the table
                 shutil.rmtree(out)
-            out = work / "save_pretrained"
-
-            seconds = timed(partial(save_pretrained, model, out))
-            runs["save_pretrained"].append(weight_bytes(out) / seconds)
-            shutil.rmtree(out)
             runs["raw"].append(raw_bandwidth(work, nbytes, tmpfs))
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -123,11 +123,13 @@ def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkey
     write_weights_dir(one, state, base_model=tiny_model, step=1, content_id="a", dtype=torch.bfloat16)
     monkeypatch.setattr(stream, "writer_threads", lambda: 4)
     monkeypatch.setattr(stream, "_pools", {})
+    monkeypatch.setattr(stream.Buffers, "_cache", {})
     many = tmp_path / "many"
     write_weights_dir(
         many, state, base_model=tiny_model, step=1, content_id="a", dtype=torch.bfloat16, chunk_bytes=4096
     )
-    assert stream._writers()._max_workers == 4 and len(stream.Buffers(4096, pinned=False).get()) == 5
+    # One file being filled plus one buffer per writer thread, kept for the next write.
+    assert stream._writers()._max_workers == 4 and len(stream.Buffers._cache[(4096, False)]) == 5
     assert (many / "model.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
     assert verify(many, checksums=True)["files"]["model.safetensors"] == verify(one)["files"]["model.safetensors"]
 

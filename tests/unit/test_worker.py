@@ -155,8 +155,9 @@ def test_serves_a_request_and_archives_it(spool, make_request, run_worker, wait_
     assert (result.timings.reload_s, result.timings.reload_bytes) == (0.0, 0)  # the echo loads nothing
     wait_for(lambda: (spool.done / "r1.request.json").exists(), what="the request in done/")
     assert os.listdir(spool.requests) == [] and os.listdir(spool.claimed) == []
-    wait_for(lambda: handle.counters.requests_ok == 1, what="the ok counter")
-    assert (handle.counters.samples, handle.counters.tokens) == (6, 3 * 4 + 3 * 2)
+    # One count() sets the three counters one after the other: wait for all of them.
+    n = handle.counters
+    wait_for(lambda: (n.requests_ok, n.samples, n.tokens) == (1, 6, 3 * 4 + 3 * 2), what="ok, samples and tokens")
     assert handle.stop() == 0
 
 
@@ -375,11 +376,11 @@ def test_an_idle_worker_puts_its_engine_to_sleep_and_a_request_wakes_it(spool, m
     spool.submit(make_request("wakes-it"))
     assert wait_results(spool, wait_for, ["wakes-it"])["wakes-it"].ok
     assert engine.asleep_at_call == [True] and not engine.asleep
-    wait_for(lambda: tally.wakes == 1, what="the wake counted")
-    assert tally.wake_s == SleepyEngine.WAKE_S and not tally.asleep
+    wait_for(lambda: tally.wakes == 1 and not tally.asleep, what="the wake counted")  # asleep is set last
+    assert tally.wake_s == SleepyEngine.WAKE_S
     # Idle again, it sleeps again: the idle time counts from the last request.
-    wait_for(lambda: engine.sleeps == 2, what="a second sleep")
-    assert tally.sleeps == 2 and handle.stop() == 0
+    wait_for(lambda: tally.sleeps == 2, what="a second sleep")  # counted after the engine's sleep() returns
+    assert engine.sleeps == 2 and handle.stop() == 0
 
 
 def test_no_sleep_without_the_setting(spool, run_worker):

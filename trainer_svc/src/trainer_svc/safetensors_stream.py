@@ -118,10 +118,10 @@ class Buffers:
 
     _cache: dict[tuple[int, bool], list[torch.Tensor]] = {}
 
-    def __init__(self, chunk_bytes: int, pinned: bool, count: int = 0):
+    def __init__(self, chunk_bytes: int, pinned: bool, count: int):
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
-        self.count = count or writer_threads() + 1  # one filling while every writer has one
+        self.count = count
 
     def get(self) -> list[torch.Tensor]:
         key = (self.chunk_bytes, self.pinned)
