@@ -190,15 +190,21 @@ class Fleet:
             ]
 
     def stop_all(self, timeout: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM every live worker and wait for a clean exit; their exit codes by id."""
+        """SIGTERM every live worker and wait for a clean exit; their exit codes by id. A life
+        that exited before it was signalled exited by itself: its code goes to `exit_codes`."""
         with self.lock:
             lives = list(self.live.values())
+        signalled = []
         for life in lives:
             self.read_counters(life)
             if life.proc.poll() is None:
                 os.killpg(life.proc.pid, signal.SIGTERM)
+                signalled.append(life)
+            else:
+                with self.lock:
+                    self.exit_codes.append(life.proc.returncode)
         codes = {}
-        for life in lives:
+        for life in signalled:
             try:
                 codes[life.worker_id] = life.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -216,6 +222,21 @@ class Fleet:
                 except ProcessLookupError:
                     pass
                 life.proc.wait(timeout=10)
+
+    def wait_serving(self, timeout: float) -> None:
+        """Until each running life has written its own status file: it serves, and its SIGTERM
+        handler is in place (one signalled before that dies of the signal, not exiting 0)."""
+        deadline = time.monotonic() + timeout
+        for life in self.running():
+            while True:
+                try:
+                    status = decode_status((self.spool.workers / f"{life.worker_id}.json").read_bytes())
+                except (OSError, MessageError):
+                    status = None
+                if (status is not None and status.pid == life.proc.pid) or life.proc.poll() is not None:
+                    break
+                assert time.monotonic() < deadline, f"{life.worker_id} (pid {life.proc.pid}) did not start serving"
+                time.sleep(0.05)
 
     def wait_live(self, worker_ids, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -401,6 +422,8 @@ def test_chaos_kill_workers_while_producing(tmp_path, storages, storage):
                 f"requests {sorted(os.listdir(spool.requests))[:5]}"
             )
             time.sleep(0.1)
+        # A life the chaos or the drain started just now may not have installed its handlers yet.
+        fleet.wait_serving(timeout=30)
         time.sleep(2 * HEARTBEAT_S)  # a last heartbeat carries the final counters
         fleet.reap()
         codes = fleet.stop_all()

@@ -231,7 +231,9 @@ def test_a_slow_second_opinion_times_out_and_the_worker_is_replaced():
         started = time.monotonic()
         assert verifier.verify("slow", "x") is False
         elapsed = time.monotonic() - started
-        assert 0.5 <= elapsed < 1.5
+        # Abandoned at the timeout: far less than the 30 s the stuck answer takes (the margin is
+        # for killing and joining the worker on a loaded machine).
+        assert 0.5 <= elapsed < 5
         assert verifier.timeouts == 1
         assert verifier.verify("quick", "x")  # a fresh worker answers
         assert verifier.timeouts == 1 and verifier.second_opinions == 3

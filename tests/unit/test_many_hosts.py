@@ -59,7 +59,7 @@ def test_host_b_does_not_see_by_name_what_host_a_created_after_b_looked(two_host
     assert not os.path.exists(b.results / "probe.json")  # negative_timeout is NEGATIVE_CACHE_S
 
 
-def test_a_producer_on_one_host_is_served_by_a_worker_on_another(two_hosts, make_request, run_worker):
+def test_a_producer_on_one_host_is_served_by_a_worker_on_another(two_hosts, make_request, run_worker, wait_for):
     """The producer (host B) submits and waits before any worker runs, then a worker on host A
     serves it, and a second request sent while that worker waits for work: B finds the results
     from listings, A the requests. A lookup by name of the result made while it
@@ -78,7 +78,10 @@ def test_a_producer_on_one_host_is_served_by_a_worker_on_another(two_hosts, make
     assert results["r2"].ok and results["r2"].texts == [["again"] * 2]
     assert {r.worker_id for r in results.values()} == {"host-a"}
     assert worker.worker._waker.polling  # chosen by itself on FUSE
-    assert sorted(os.listdir(a.done)) == [f"r{i}.{kind}.json" for i in (1, 2) for kind in ("request", "result")]
+    # The worker archives r2's request just after it publishes r2's result, which the producer
+    # may already have read and consumed: wait for the archive rather than look once.
+    archived = [f"r{i}.{kind}.json" for i in (1, 2) for kind in ("request", "result")]
+    wait_for(lambda: sorted(os.listdir(a.done)) == archived, what=f"done/ to hold {archived}")
 
 
 def test_a_request_id_used_on_another_host_is_refused(two_hosts, make_request, wait_for):
