@@ -358,6 +358,29 @@ def test_idle_time_counts_from_the_last_request(spool, make_request, run_worker,
     assert time.monotonic() - served >= 0.8
 
 
+def test_a_stop_just_before_the_engine_call_still_gives_the_batch_its_grace(spool, make_request, run_worker, caplog):
+    """The signal lands once the status says "generating" but before the engine call: the batch
+    gets the stop grace all the same (the alarm, and the line that tells the operator), is
+    served, and the worker exits 0."""
+    import rollout_svc.worker as worker_module
+
+    handle = run_worker(spool, stop_grace_s=7)
+    heartbeat = handle.worker.heartbeat
+    set_state = heartbeat.set_state
+
+    def stop_once_generating(state, current_request=None):
+        set_state(state, current_request)
+        if state == "generating":
+            handle.worker.request_stop()
+
+    heartbeat.set_state = stop_once_generating
+    spool.submit(make_request("last"))
+    assert handle.join(10) == 0
+    assert spool.read_result("last").ok
+    assert worker_module.signal.alarms == [7, 0]  # the grace, then cleared after the call
+    assert "the batch in hand has 7 s (--stop-grace) to finish" in caplog.text
+
+
 # -- sleep when idle ------------------------------------------------------------------------------------
 
 

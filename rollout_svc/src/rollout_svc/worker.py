@@ -120,13 +120,16 @@ class Worker:
         self._stopping = True
         self.notifier.stopping()
         if self._in_engine:
-            signal.alarm(max(1, int(self.config.stop_grace_s)))
-            log.warning(
-                "stop requested: the batch in hand has %.0f s (--stop-grace) to finish; a second signal gives it back",
-                self.config.stop_grace_s,
-            )
+            self._start_grace()
         if self._waker is not None:
             self._waker.poke()
+
+    def _start_grace(self) -> None:
+        signal.alarm(max(1, int(self.config.stop_grace_s)))
+        log.warning(
+            "stop requested: the batch in hand has %.0f s (--stop-grace) to finish; a second signal gives it back",
+            self.config.stop_grace_s,
+        )
 
     def _grace_over(self, *_signal_args) -> None:
         if self._in_engine:
@@ -305,8 +308,8 @@ class Worker:
         was_asleep = self.engine.asleep
         try:
             self._in_engine = True
-            if self._stopping:  # a stop arrived between two groups: the grace applies here too
-                signal.alarm(max(1, int(self.config.stop_grace_s)))
+            if self._stopping:  # a stop arrived just before this engine call: the grace applies here too
+                self._start_grace()
             completions = self.engine.generate([job.request for job in group])
         except Exception as exc:
             if len(group) == 1:
