@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
-STEPS = 6
+STEPS = 10  # the interrupt tests signal after a step or two: the rest is their margin
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 
 
