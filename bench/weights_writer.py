@@ -165,8 +165,10 @@ def measure(model, base_dir: Path, medium: Path, tmpfs: bool, repeats: int, dist
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = timed(partial(write_into, out))
-                runs[key].append(weight_bytes(out) / seconds)
-                nbytes = nbytes or weight_bytes(out)  # the writer's, for the raw write and the table
+                written = weight_bytes(out)
+                runs[key].append(written / seconds)
+                if key == "writer":  # its size is the one the raw write and the table use
+                    nbytes = written
                 shutil.rmtree(out)
             runs["raw"].append(raw_bandwidth(work, nbytes, tmpfs))
         finally:
