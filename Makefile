@@ -3,7 +3,7 @@
 #
 #   make demo        the main job on the embedded default (GRPO on a tiny model, CPU)
 #   make echo-smoke  a deployment check: an echo worker serving requests, no model
-#   make test        lint, then the whole test suite
+#   make test        the Debian packages the tests use (installed if missing), lint, then the whole test suite
 #   make lint        ruff: lint and format check (settings in pyproject.toml)
 #   make test-gpu    the GPU tier (tests/gpu): fails at once where no CUDA GPU is visible
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
@@ -30,7 +30,7 @@ CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
 TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
-.PHONY: venvs tiny-model demo echo-smoke lint test test-gpu bench bench-trl clean
+.PHONY: venvs tiny-model demo echo-smoke lint system-packages test test-gpu bench bench-trl clean
 
 venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
@@ -73,9 +73,14 @@ lint: $(LINT)/.installed
 	$(LINT)/bin/ruff check .
 	$(LINT)/bin/ruff format --check .
 
+# What the tests need beyond Python (systemd-analyze, sshfs and sshd, bindfs, mount): installed
+# where this user can, else one message naming the packages.
+system-packages:
+	scripts/system_packages.sh
+
 # Lint first (seconds), then two runs, one per venv: each service's tests import only what its
 # venv holds.
-test: lint venvs
+test: system-packages lint venvs
 	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
 	$(TRAINER)/bin/python -m pytest tests/trainer
 

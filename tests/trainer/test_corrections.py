@@ -15,7 +15,7 @@ from trainer_svc.corrections import correction_stats, correction_weights, log_ra
 OLD = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.1, -4.0, -1.0]])
 ENGINE = torch.tensor([[-1.0, -0.5, -2.0, -9.0], [-0.3, -0.1, -1.0, -1.1]])
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
-BAND = dict(cap=2.0, low=0.5, high=2.0)
+BAND = dict(cap=2.0, low=0.5, high=2.0)  # a narrower band than the default, so each side is crossed
 
 
 def ratios() -> list[list[float | None]]:
@@ -44,9 +44,10 @@ def reference(kind: str) -> tuple[list[list[float]], list[list[float]]]:
             elif kind == "tis":
                 c_row.append(min(r, BAND["cap"]))
                 ch_row.append(float(r > BAND["cap"]))
-            elif kind == "icepop":
+            elif kind in ("icepop", "token_mask"):
                 inside = BAND["low"] <= r <= BAND["high"]
-                c_row.append(float(inside))
+                weight = r if kind == "icepop" else 1.0
+                c_row.append(weight if inside else 0.0)
                 ch_row.append(float(not inside))
             else:
                 c_row.append(float(keep))
@@ -56,7 +57,7 @@ def reference(kind: str) -> tuple[list[list[float]], list[list[float]]]:
     return c, changed
 
 
-@pytest.mark.parametrize("kind", ["none", "tis", "icepop", "sequence_mask"])
+@pytest.mark.parametrize("kind", ["none", "tis", "icepop", "token_mask", "sequence_mask"])
 def test_corrections_equal_the_hand_written_reference(kind):
     log_r = log_ratio(OLD, ENGINE, MASK)
     c, changed = correction_weights(log_r, MASK, kind, **BAND)
@@ -64,6 +65,24 @@ def test_corrections_equal_the_hand_written_reference(kind):
     torch.testing.assert_close(c, torch.tensor(want_c), rtol=1e-6, atol=1e-7)
     assert changed.tolist() == want_changed
     assert not c.requires_grad
+
+
+def test_icepop_keeps_the_importance_weight_inside_its_band_and_drops_the_rest():
+    """Ring-1T's IcePop with its defaults (0.5 and 5): a token whose ratio p_old / q lies in
+    [0.5, 5] is weighted by that ratio, any other is dropped. Ratios and weights worked out by
+    hand: 0.4 and 6 fall outside, the band's edges are inside."""
+    from trainer_svc.config import LossConfig
+
+    defaults = LossConfig()
+    assert (defaults.correction_low, defaults.correction_high) == (0.5, 5.0)
+    ratio = [0.4, 0.5, 0.8, 1.0, 3.0, 5.0, 6.0]
+    log_r = torch.tensor([ratio], dtype=torch.float64).log().float()
+    mask = torch.ones_like(log_r)
+    c, changed = correction_weights(log_r, mask, "icepop", cap=2.0, low=0.5, high=5.0)
+    torch.testing.assert_close(c, torch.tensor([[0.0, 0.5, 0.8, 1.0, 3.0, 5.0, 0.0]]), rtol=1e-6, atol=0.0)
+    assert changed.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]
+    c, _ = correction_weights(log_r, mask, "token_mask", cap=2.0, low=0.5, high=5.0)
+    assert c.tolist() == [[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]]
 
 
 def test_the_reference_exercises_every_branch():
@@ -88,14 +107,14 @@ def test_stats_are_sums_over_masked_tokens_and_k3_is_the_hand_formula():
 
 def test_engine_and_trainer_in_agreement_change_nothing():
     log_r = log_ratio(OLD, OLD, MASK)
-    for kind in ("tis", "icepop", "sequence_mask"):
+    for kind in ("tis", "icepop", "token_mask", "sequence_mask"):
         c, changed = correction_weights(log_r, MASK, kind, **BAND)
         assert torch.equal(c, MASK) and changed.sum() == 0
     assert correction_stats(log_r, MASK, torch.zeros_like(MASK))["k3_sum"] == 0.0
 
 
 def test_an_unknown_correction_is_refused():
-    with pytest.raises(ValueError, match="tis, icepop or sequence_mask"):
+    with pytest.raises(ValueError, match="tis, icepop, token_mask or sequence_mask"):
         correction_weights(log_ratio(OLD, ENGINE, MASK), MASK, "clip", **BAND)
 
 

@@ -121,12 +121,14 @@ class LossConfig(Struct):
     dead_group_retries: NonNegative = 1  # resamples of all-equal-reward groups per step
     # Correction for the engine sampling with other numerics or older weights than the trainer's
     # old policy (trainer_svc.corrections): none; tis (weight min(ratio, correction_cap)); icepop
-    # (tokens with ratio outside [correction_low, correction_high] masked); sequence_mask
-    # (sequences whose geometric-mean ratio is outside that band masked). ratio = p_old / q_engine.
-    correction: Literal["none", "tis", "icepop", "sequence_mask"] = "none"
+    # (weight ratio inside [correction_low, correction_high], tokens outside dropped); token_mask
+    # (tokens outside the band dropped, weight 1 inside); sequence_mask (sequences whose
+    # geometric-mean ratio is outside the band dropped). ratio = p_old / q_engine. The band's
+    # defaults are IcePop's.
+    correction: Literal["none", "tis", "icepop", "token_mask", "sequence_mask"] = "none"
     correction_cap: PositiveFloat = 2.0
     correction_low: PositiveFloat = 0.5
-    correction_high: PositiveFloat = 2.0
+    correction_high: PositiveFloat = 5.0
 
     def __post_init__(self) -> None:
         if not self.correction_low < 1 < self.correction_high:

@@ -11,7 +11,9 @@ and the token's loss weight is multiplied by a correction c (never differentiate
 
     none            c = 1
     tis             c = min(ratio, cap)                         truncated importance sampling
-    icepop          c = 1 if low <= ratio <= high else 0        token masking
+    icepop          c = ratio if low <= ratio <= high else 0    importance weight inside the band, token dropped
+                                                                outside (IcePop; its defaults: 0.5 and 5)
+    token_mask      c = 1 if low <= ratio <= high else 0        token masking, no reweighting
     sequence_mask   c = 1 for every token of a sequence whose geometric-mean ratio
                     exp(mean_t log ratio) lies in [low, high], else 0
 
@@ -24,7 +26,9 @@ References
 - Truncated importance sampling: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
   You Off-Policy RL Training"; truncated weights as in Espeholt et al. 2018, "IMPALA"
   (arXiv:1802.01561).
-- Token masking outside a band: IcePop, Ling Team 2025 (the Ring-1T report).
+- IcePop (double-sided masking with the importance weight kept inside the band): Ling Team 2025,
+  "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model" (the
+  Ring-1T report, arXiv:2510.18855).
 - The sequence-level geometric-mean ratio: Zheng et al. 2025, "Group Sequence Policy
   Optimization" (GSPO).
 - k3: Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
@@ -37,7 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Correction = Literal["none", "tis", "icepop", "sequence_mask"]
+Correction = Literal["none", "tis", "icepop", "token_mask", "sequence_mask"]
 
 
 def log_ratio(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -57,6 +61,8 @@ def correction_weights(
     elif kind == "tis":
         c = torch.clamp(ratio, max=cap)
     elif kind == "icepop":
+        c = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    elif kind == "token_mask":
         c = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
     elif kind == "sequence_mask":
         tokens = on.sum(dim=1).clamp(min=1)
@@ -64,7 +70,7 @@ def correction_weights(
         keep = (geometric >= low) & (geometric <= high)
         c = keep.to(ratio.dtype).unsqueeze(1).expand_as(ratio).clone()
     else:
-        raise ValueError(f"correction must be none, tis, icepop or sequence_mask, got {kind!r}")
+        raise ValueError(f"correction must be none, tis, icepop, token_mask or sequence_mask, got {kind!r}")
     c = c * on
     if kind == "none":
         changed = torch.zeros_like(on)
