@@ -147,6 +147,66 @@ def test_a_failed_reload_rebuilds(engine, models):
     assert FakeHost.started[0].closed and len(FakeHost.started) == 2 and e.weights_dir == str(models["b"])
 
 
+def test_a_directory_replaced_while_it_loads_is_loaded_again_and_named_by_its_new_content(engine, models, tmp_path):
+    """A trainer republishing a step swaps the directory while the engine reads it: the engine may
+    hold the new files under the content id it read first. It reads the id again after the load;
+    a change means loading again, so the id it reports is the one its weights came from."""
+    import shutil
+
+    from protocol.content_id import weights_content_id
+
+    served = models["root"] / "served"
+    shutil.copytree(models["b"], served)
+    e = engine()
+    e.load(str(models["a"]))
+    host = FakeHost.started[0]
+    replaced = []
+    real_call = host.call
+
+    def republish_during_the_first_reload(command, *args):
+        if command == "reload" and not replaced:  # the writer swaps in a new version mid-read
+            replaced.append(weights_content_id(str(served)))
+            fresh = tmp_path / "fresh"
+            shutil.copytree(models["b"], fresh)
+            os.rename(fresh, served.with_name("served.new"))
+            shutil.rmtree(served)
+            os.rename(served.with_name("served.new"), served)
+        return real_call(command, *args)
+
+    host.call = republish_during_the_first_reload
+    load = e.load(str(served))
+    assert host.commands == ["build", "reload", "reload"]
+    assert e.weights_content_id == weights_content_id(str(served)) != replaced[0]
+    assert load.bytes == 2 * e.weights.size_bytes
+
+
+def test_a_directory_replaced_at_every_load_fails_its_request_and_the_engine_serves_on(engine, models):
+    from rollout_svc.errors import RequestFailed
+
+    served = models["root"] / "churning"
+    import shutil
+
+    shutil.copytree(models["b"], served)
+    e = engine()
+    e.load(str(models["a"]))
+    host = FakeHost.started[0]
+    real_call = host.call
+
+    def republish_every_time(command, *args):
+        if command == "reload":
+            config = served / "config.json"
+            config.write_text(config.read_text() + " ")  # a new version: its content id changes
+        return real_call(command, *args)
+
+    host.call = republish_every_time
+    with pytest.raises(RequestFailed, match="replaced each of the 3 times") as failure:
+        e.load(str(served))
+    assert failure.value.code.value == "weights_invalid" and host.commands == ["build"] + ["reload"] * 3
+    host.call = real_call
+    e.load(str(models["a"]))  # the engine still serves: back to weights that stand still
+    assert host.commands[-1] == "reload" and e.weights_dir == str(models["a"])
+
+
 def test_a_failed_build_leaves_no_process_and_no_weights(engine, models):
     e = engine()
     e.load(str(models["a"]))

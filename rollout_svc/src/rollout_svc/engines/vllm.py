@@ -28,6 +28,7 @@ import os
 import time
 from typing import NamedTuple
 
+from protocol.content_id import weights_content_id
 from protocol.messages import ErrorCode, Request
 
 from ..errors import RequestFailed
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 HOST_MODULE = "rollout_svc.engines.vllm_host"
 SLEEP_LEVELS = (1, 2)
+LOAD_TRIES = 3  # loads of a directory that keeps being replaced under them, before its request fails
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -127,7 +129,34 @@ class VllmEngine:
         return self.load(weights_dir, expected_content_id).seconds
 
     def load(self, weights_dir: str, expected_content_id: str | None = None) -> Load:
-        """Make `weights_dir` the live weights: in place when it can, else in a new engine."""
+        """Make `weights_dir` the live weights: in place when it can, else in a new engine.
+
+        A directory replaced while its files were being read (a trainer republishing a step) could
+        leave the engine with another version than the content id it read first: the content id
+        is read again once the load is done, and a change means loading again."""
+        seconds, read = 0.0, 0
+        for _ in range(LOAD_TRIES):
+            load = self._load_once(weights_dir, expected_content_id)
+            seconds, read = seconds + load.seconds, read + load.bytes
+            if load is ALREADY_LIVE or self._content_id_now(self.weights) == self.weights.content_id:
+                return Load(seconds, read)
+            log.warning("%s was replaced while it was being loaded; loading it again", weights_dir)
+            # What the engine holds is known only as "a version of this directory": never equal to any.
+            self.weights = dataclasses.replace(self.weights, content_id=f"{self.weights.content_id}?replaced")
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID,
+            f"weights_dir {weights_dir} was replaced each of the {LOAD_TRIES} times it was loaded; "
+            "publish each version into a new directory, or replace it less often than a load takes",
+        )
+
+    @staticmethod
+    def _content_id_now(weights: Weights) -> str | None:
+        try:
+            return weights_content_id(weights.real_path, weights.shards)
+        except OSError:  # removed meanwhile: the next inspect says so
+            return None
+
+    def _load_once(self, weights_dir: str, expected_content_id: str | None) -> Load:
         weights = self.policy.inspect(weights_dir)
         if expected_content_id is not None and weights.content_id != expected_content_id:
             raise RequestFailed(
