@@ -1,6 +1,16 @@
 """The trainer's log-probabilities of a micro-batch (train_step.sequence_logprobs): logits only
 at the columns some sequence generated, and the compiled path (model.compile = "on"), each equal
-to the plain full forward of the model, in value and in gradient."""
+to the plain full forward of the model, in value and in gradient.
+
+Equal within float32 rounding, bounded as follows. Both paths compute the same sums in other
+orders (other kernels, fused or not). A float32 sum of n products is within gamma_n = n u / (1 - n u)
+of the exact one, relative to the sum of the products' magnitudes (u = 2^-24, the unit roundoff;
+Higham, "Accuracy and Stability of Numerical Algorithms", 3.1), so two evaluations differ by at
+most 2 gamma_n, n being the longest reduction in the model (its hidden, intermediate or
+vocabulary size, or the tokens a weight gradient sums over). The bound is taken per tensor in
+norm (elements near zero carry the rounding of their large neighbours), and for log-probabilities
+relative to their largest magnitude. The processor decides how far inside the bound a run lands,
+never whether it does."""
 
 from __future__ import annotations
 
@@ -8,7 +18,6 @@ import copy
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from trainer_svc.batch import collate
 from trainer_svc.grpo import logprobs_and_entropy
@@ -17,6 +26,27 @@ from trainer_svc.rollout import Group, Sample
 from trainer_svc.train_step import sequence_logprobs
 
 TEMPERATURE = 0.8
+UNIT_ROUNDOFF = 2.0**-24  # float32
+
+
+def rounding_bound(model, batch) -> float:
+    """2 gamma_n for the longest reduction n of this model on this batch (see the docstring)."""
+    config = model.config
+    n = max(config.hidden_size, config.intermediate_size, config.vocab_size, int(batch.mask.numel()))
+    return 2 * n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+
+
+def assert_within(ours: torch.Tensor, theirs: torch.Tensor, bound: float) -> None:
+    """|ours - theirs| <= bound x |theirs| in norm (for log-probabilities: in max norm)."""
+    difference = float((ours.double() - theirs.double()).norm())
+    scale = float(theirs.double().norm())
+    assert difference <= bound * scale, f"differ by {difference:.3e}, float32 bound {bound * scale:.3e}"
+
+
+def assert_logprobs_within(ours: torch.Tensor, theirs: torch.Tensor, bound: float) -> None:
+    difference = float((ours.double() - theirs.double()).abs().max())
+    scale = max(1.0, float(theirs.double().abs().max()))
+    assert difference <= bound * scale, f"differ by {difference:.3e}, float32 bound {bound * scale:.3e}"
 
 
 def ragged_batch():
@@ -61,10 +91,11 @@ def test_logits_are_taken_only_where_a_sequence_generated(policy):
     assert seen == [generated_columns] and generated_columns < batch.targets.shape[1]
     reference = full_forward_logprobs(policy, batch)
     on = batch.mask.bool()
-    assert_close(logp[on], reference[on], atol=1e-5, rtol=1e-5)
+    bound = rounding_bound(policy, batch)
+    assert_logprobs_within(logp[on], reference[on], bound)
     assert (logp[~batch.mask.any(dim=0).expand_as(on)] == 0).all() and (entropy >= 0).all()
     for ours, theirs in zip(gradients_of(policy, logp, batch), gradients_of(policy, reference, batch), strict=True):
-        assert_close(ours, theirs, atol=1e-6, rtol=1e-4)
+        assert_within(ours, theirs, bound)
 
 
 def test_the_compiled_layers_and_logprob_math_equal_the_eager_ones(policy):
@@ -75,8 +106,9 @@ def test_the_compiled_layers_and_logprob_math_equal_the_eager_ones(policy):
     eager_logp, eager_entropy = sequence_logprobs(policy, batch, TEMPERATURE)
     logp, entropy = sequence_logprobs(compiled, batch, TEMPERATURE, compiled=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the layers and the logprob math
-    assert_close(logp, eager_logp, atol=1e-5, rtol=1e-5)
-    assert_close(entropy, eager_entropy, atol=1e-5, rtol=1e-5)
+    bound = rounding_bound(policy, batch)
+    assert_logprobs_within(logp, eager_logp, bound)
+    assert_logprobs_within(entropy, eager_entropy, bound)
     pairs = zip(gradients_of(compiled, logp, batch), gradients_of(policy, eager_logp, batch), strict=True)
     for ours, theirs in pairs:
-        assert_close(ours, theirs, atol=1e-6, rtol=1e-4)
+        assert_within(ours, theirs, bound)
