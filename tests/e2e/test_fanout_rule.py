@@ -25,11 +25,16 @@ LEASE_S = "120"  # a frozen worker stays live by its status for the whole test
 
 def call(call_id: str, weights_dir, parts: int, **fields) -> list[Request]:
     fields = dict(prompts=[f"{i}+{i}=" for i in range(8)], n_samples_per_prompt=16, max_tokens=100) | fields
+    weights_dir = str(weights_dir)
     return [
         Request(
-            request_id=f"{call_id}-p{part}", call_id=call_id, weights_dir=str(weights_dir), temperature=1.0, seed=part,
+            request_id=f"{call_id}-p{part}",
+            call_id=call_id,
+            weights_dir=weights_dir,
+            temperature=1.0,
+            seed=part,
             **fields,
-        )  # fmt: skip
+        )
         for part in range(parts)
     ]
 
@@ -74,7 +79,8 @@ def test_the_worker_that_scans_first_leaves_the_other_part_to_its_idle_peer(mode
         "--max-model-len", "128", *common, log_dir=tmp_path,
     )  # fmt: skip
     workers["b"] = start_worker(spool.root, "fan-b", "--engine", "echo", *common, log_dir=tmp_path)
-    wait_for_status(spool, "fan-a", lambda s: s.state == "idle" and bool(s.weights_dir), ENGINE_START_TIMEOUT_S, workers["a"])
+    ready = lambda s: s.state == "idle" and bool(s.weights_dir)  # noqa: E731
+    wait_for_status(spool, "fan-a", ready, ENGINE_START_TIMEOUT_S, workers["a"])
     wait_for_status(spool, "fan-b", lambda s: s.state == "idle", 60, workers["b"])
 
     # Both frozen while the call lands, so A's first scan sees both parts; B stays frozen, idle by
