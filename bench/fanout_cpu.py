@@ -14,8 +14,8 @@ call (`call_id`). Settings, each on a spool of its own with its engines started 
 
 The settings take turns, `--steps` steps at a time, `--rounds` times, so a change in the
 machine's load falls on all of them. Per step: the wall time from submitting the call to the
-last result (what the trainer waits), the engine time of each part (`generate_s + reload_s`),
-and which worker served each part.
+last result (what the trainer waits), each part's engine time (`generate_s`, `reload_s`) and
+wait in requests/ (`queued_s`), and which worker served each part.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def one_step(client: SpoolClient, label: str, step: int, weights: Path, parts: i
         assert result.ok, result.error
     return {
         "wall_s": wall,
-        "engine_s": [r.timings.generate_s + r.timings.reload_s for r in results.values()],
+        "generate_s": [r.timings.generate_s for r in results.values()],
+        "reload_s": [r.timings.reload_s for r in results.values()],
+        "queued_s": [r.timings.queued_s for r in results.values()],
         "workers": sorted(r.worker_id for r in results.values()),
     }
 
@@ -106,7 +108,10 @@ def summary(steps: list[dict]) -> dict:
         "steps": len(steps),
         "wall_ms_median": round(1000 * statistics.median(walls), 1),
         "wall_ms_quartiles": [round(1000 * q, 1) for q in statistics.quantiles(walls, n=4)],
-        "engine_ms_per_part_median": round(1000 * statistics.median(e for s in steps for e in s["engine_s"]), 1),
+        **{
+            f"{what}_ms_per_part_median": round(1000 * statistics.median(t for s in steps for t in s[f"{what}_s"]), 1)
+            for what in ("generate", "reload", "queued")
+        },
         "steps_served_by_distinct_workers": sum(len(set(s["workers"])) == len(s["workers"]) for s in steps),
     }
 
