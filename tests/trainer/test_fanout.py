@@ -1,6 +1,7 @@
 """Fan-out over two real vLLM workers (the rollout venv's CPU build), one SIGKILLed while it holds
 a step's request: its claim goes back after its lease, the other worker serves it, and the run
-trains on every step with no request lost or answered twice."""
+trains on every step with no request lost or answered twice. And the call id on every part of a
+call, by which workers leave the other parts to their idle peers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conftest import ROLLOUT_SVC, make_config
 from protocol import exit_codes
 from protocol.spool import Spool, id_from_name, split_claimed_name
 from trainer_svc.loop import train
-from trainer_svc.rollout import RolloutService
+from trainer_svc.rollout import RolloutService, WeightsRef
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -133,3 +134,33 @@ def test_a_worker_killed_mid_step_costs_a_lease_not_the_run(warm_model, tmp_path
     done = os.listdir(spool.root / "done")
     assert sorted(n.removesuffix(".result.json") for n in done if n.endswith(".result.json")) == sent
     assert os.listdir(spool.requests) == os.listdir(spool.claimed) == os.listdir(spool.results) == []
+
+
+def test_every_part_of_a_call_names_the_call_and_another_call_another(tmp_path):
+    """What the workers' fan-out rule reads: the request files the trainer writes, as `cat` shows them."""
+    spool_dir = tmp_path / "spool"
+    cfg = make_config(tmp_path / "run", tmp_path / "model", rollout={"spool": str(spool_dir), "fan_out": 3})
+    service = RolloutService(cfg, cuda_devices=0)
+    weights = WeightsRef("/models/none", None, 3)
+    prompts = [f"{i}+1=" for i in range(7)]
+    try:
+        first = service.submit(prompts, weights=weights, step=7, attempt=0, seed=1)
+        retry = service.submit(prompts[:3], weights=weights, step=7, attempt=1, seed=2)
+        ahead = service.submit(prompts, weights=weights, step=8, attempt=0, seed=3)
+    finally:
+        service.close()
+    files = {path.name: json.loads(path.read_bytes()) for path in (spool_dir / "requests").iterdir()}
+    calls = [{files[f"{i}.json"].get("call_id") for i in t.request_ids} for t in (first, retry, ahead)]
+    assert [len(t.request_ids) for t in (first, retry, ahead)] == [3, 3, 3]
+    assert all(len(call) == 1 and None not in call for call in calls), calls  # one call id on every part
+    assert len(set.union(*calls)) == 3  # and each call its own
+    # The same call made again (a relaunch redoing the step, its requests lost) names the same call.
+    for request_id in first.request_ids:
+        os.unlink(spool_dir / "requests" / f"{request_id}.json")
+    again = RolloutService(cfg, cuda_devices=0)
+    try:
+        assert again.submit(prompts, weights=weights, step=7, attempt=0, seed=1) == first
+    finally:
+        again.close()
+    for request_id in first.request_ids:
+        assert json.loads((spool_dir / "requests" / f"{request_id}.json").read_bytes())["call_id"] in calls[0]

@@ -1,13 +1,15 @@
-"""Scheduler.pick: loaded weights first, aging, requests to answer at once, batch limits, and the
-peek that reads request files before they are claimed."""
+"""Scheduler.pick: loaded weights first, aging, requests to answer at once, batch limits, the
+share of a call's parts left to idle peers, and the peek that reads request files before they are
+claimed."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from protocol.messages import encode
+from protocol.messages import WorkerStatus, encode
 from protocol.spool import MAX_REQUEST_BYTES, Spool
 from rollout_svc.scheduling import Limits, Scheduler, weights_key
 
@@ -278,3 +280,118 @@ def test_pick_reads_each_unchanged_file_once(spool, make_request, monkeypatch):
     for _ in range(3):
         assert pick(spool, scheduler=scheduler) == ["a1.json", "a2.json"]
     assert sorted(reads) == ["a1.json", "a2.json"]
+
+
+# -- the parts of a call go to different idle workers -------------------------------------------
+
+
+def peer(spool: Spool, worker_id: str, state: str = "idle", *, heartbeat_age_s: float = 0.0) -> None:
+    """A status file in workers/, as a worker writes it; `heartbeat_age_s` backdates its mtime."""
+    now = time.time()
+    status = WorkerStatus(
+        worker_id=worker_id, pid=1, host="h", device="cpu", engine="echo", state=state,
+        lease_s=30.0, started_at=now, heartbeat_at=now - heartbeat_age_s,
+    )  # fmt: skip
+    spool.write_status(status)
+    set_mtime(spool.status_path(worker_id), now - heartbeat_age_s)
+
+
+def put_call(spool: Spool, make_request, call_id: str | None, parts: int, first_rank: int = 0) -> None:
+    for part in range(parts):
+        put(spool, make_request(f"{call_id}-p{part}", call_id=call_id), first_rank + part)
+
+
+def pick_as(spool: Spool, worker_id: str = "me", scheduler=None) -> list[str]:
+    scheduler = scheduler or Scheduler(spool)
+    return names(scheduler.pick(spool.pending(), None, now=BASE + 10, worker_id=worker_id))
+
+
+def test_a_worker_leaves_the_other_part_of_a_two_part_call_to_an_idle_peer(spool, make_request):
+    put_call(spool, make_request, "c", 2)
+    peer(spool, "me")  # its own status: never a peer
+    assert pick_as(spool) == ["c-p0.json", "c-p1.json"]
+    peer(spool, "other")
+    assert pick_as(spool) == ["c-p0.json"]
+    assert pick_as(spool, "other") == ["c-p0.json"]  # each takes one; a lost claim means a rescan
+
+
+@pytest.mark.parametrize("state", ["idle", "sleeping"])
+def test_a_sleeping_peer_counts_as_idle(spool, make_request, state):
+    put_call(spool, make_request, "c", 2)
+    peer(spool, "other", state)
+    assert pick_as(spool) == ["c-p0.json"]
+
+
+@pytest.mark.parametrize("state", ["starting", "loading", "generating", "reloading", "stopping"])
+def test_a_peer_that_cannot_take_a_request_now_leaves_the_whole_call(spool, make_request, state):
+    put_call(spool, make_request, "c", 2)
+    peer(spool, "other", state)
+    assert pick_as(spool) == ["c-p0.json", "c-p1.json"]
+
+
+def test_a_peer_whose_heartbeat_is_older_than_its_lease_leaves_the_whole_call(spool, make_request):
+    put_call(spool, make_request, "c", 2)
+    peer(spool, "gone", heartbeat_age_s=3600)
+    assert pick_as(spool) == ["c-p0.json", "c-p1.json"]
+
+
+def test_an_unreadable_status_file_is_no_idle_peer(spool, make_request):
+    put_call(spool, make_request, "c", 2)
+    (spool.workers / "torn.json").write_bytes(b'{"worker_id": "torn", "st')
+    assert pick_as(spool) == ["c-p0.json", "c-p1.json"]
+
+
+@pytest.mark.parametrize(("parts", "idle_peers", "share"), [(5, 1, 3), (5, 2, 2), (4, 1, 2), (3, 5, 1), (4, 0, 4)])
+def test_a_worker_takes_its_share_of_a_call_rounded_up(spool, make_request, parts, idle_peers, share):
+    put_call(spool, make_request, "c", parts)
+    for i in range(idle_peers):
+        peer(spool, f"idle{i}")
+    peer(spool, "busy", "generating")
+    assert pick_as(spool) == [f"c-p{i}.json" for i in range(share)]
+
+
+def test_a_part_left_pending_after_a_share_is_taken_at_the_next_pick(spool, make_request):
+    """A peer that looks idle but never comes (frozen within its lease) delays a part by one
+    engine call of this worker, never more: every pick takes at least one part."""
+    put_call(spool, make_request, "c", 2)
+    peer(spool, "frozen")
+    scheduler = Scheduler(spool)
+    assert pick_as(spool, scheduler=scheduler) == ["c-p0.json"]
+    os.unlink(spool.requests / "c-p0.json")  # claimed and served
+    assert pick_as(spool, scheduler=scheduler) == ["c-p1.json"]
+
+
+def test_each_call_is_shared_on_its_own_and_requests_without_a_call_batch_as_before(spool, make_request):
+    put_call(spool, make_request, "x", 2, first_rank=0)
+    put(spool, make_request("alone1"), 2)
+    put_call(spool, make_request, "y", 3, first_rank=3)
+    put(spool, make_request("alone2"), 6)
+    peer(spool, "other")
+    assert pick_as(spool) == ["x-p0.json", "alone1.json", "y-p0.json", "y-p1.json", "alone2.json"]
+
+
+def test_calls_of_one_part_read_no_status_file(spool, make_request, monkeypatch):
+    import protocol.spool_liveness as liveness
+
+    reads = []
+    real = liveness.fsio.read_regular_file
+    monkeypatch.setattr(liveness.fsio, "read_regular_file", lambda p, limit: reads.append(p.name) or real(p, limit))
+    for i in range(3):
+        put(spool, make_request(f"single{i}", call_id=f"call{i}"), i)
+    put(spool, make_request("plain"), 3)
+    peer(spool, "other")
+    assert pick_as(spool) == ["single0.json", "single1.json", "single2.json", "plain.json"]
+    assert reads == []
+
+
+def test_status_files_are_read_only_until_enough_idle_peers_are_found(spool, make_request, monkeypatch):
+    import protocol.spool_liveness as liveness
+
+    reads = []
+    real = liveness.fsio.read_regular_file
+    monkeypatch.setattr(liveness.fsio, "read_regular_file", lambda p, limit: reads.append(p.name) or real(p, limit))
+    for i in range(20):
+        peer(spool, f"idle{i}")
+    put_call(spool, make_request, "c", 3)
+    assert pick_as(spool) == ["c-p0.json"]
+    assert len(reads) == 2  # two idle peers bring a three-part call down to one part each

@@ -87,6 +87,10 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tag: str = ""  # free label for operators: train, eval, canary...
     prompt_token_ids: list[list[int]] | None = None  # prompts already tokenized, instead of `prompts`
     weights_content_id: str | None = None  # if set, weights with another content id are refused
+    # The call this request is a part of: requests sent together with the same call_id go to
+    # different idle workers (a worker takes only its share while others are idle). None: a call
+    # of its own, batched with any request for the same weights.
+    call_id: Id | None = None
     schema: int = SCHEMA_VERSION  # message version, see SCHEMA_VERSION
 
     def __post_init__(self) -> None:

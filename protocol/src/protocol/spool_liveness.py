@@ -1,6 +1,7 @@
 """Worker status files and liveness: workers publish their status (its mtime is the heartbeat);
-observers judge by it which workers live (leases.py says how) and give a dead worker's claims
-back to requests/."""
+observers judge by it which workers live (leases.py says how), which of them wait for work (a
+worker leaves the parts of a call to its idle peers), and give a dead worker's claims back to
+requests/."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from .spool_entries import JSON_SUFFIX, Entry, scan, split_claimed_name
 from .spool_layout import SpoolLayout
 
 DEFAULT_LEASE_S = 30.0
+MAX_STATUS_BYTES = 2**20  # a status file is a few hundred bytes; a larger one is not a worker's
+WAITING_STATES = ("idle", "sleeping")  # a worker in these states takes the next request it finds
 
 
 class Liveness(SpoolLayout):
@@ -74,6 +77,31 @@ class Liveness(SpoolLayout):
         ahead = 0.0 if now is None else now - time.time()
         watch = self._workers_watch
         return [s for _, s, seen in self.heartbeats() if s is not None and watch.age(seen, ahead) <= s.lease_s]
+
+    def idle_peers(self, worker_id: str | None, enough: int) -> list[str]:
+        """Ids of live workers other than `worker_id` whose status says they wait for work (idle
+        or sleeping): they could take a request now. At most `enough` of them: status files are
+        read, in listing order, only until that many are found, and the own file never, so a
+        scan costs one listing and at most a read per other worker (none when `enough` is 0)."""
+        if enough <= 0:
+            return []
+        fs_now = functools.cache(self.filesystem_now)  # asked once, and only at a first sight
+        own = None if worker_id is None else self.status_path(worker_id).name
+        peers = []
+        for entry in scan(self.workers):
+            if entry.name == own or not entry.name.endswith(JSON_SUFFIX):
+                continue
+            try:
+                status = decode_status(fsio.read_regular_file(entry.path, MAX_STATUS_BYTES))
+            except (OSError, ValueError, MessageError):  # gone, not a file, or not a status
+                continue
+            signature = (entry.mtime, entry.size, status.heartbeat_at)
+            seen = self._workers_watch.look(entry.name, signature, lambda e=entry: fs_now() - e.mtime)
+            if status.state in WAITING_STATES and self._workers_watch.age(seen) <= status.lease_s:
+                peers.append(status.worker_id)
+                if len(peers) >= enough:
+                    break
+        return peers
 
     def recover_stale(self, default_lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> list[str]:
         """Put back in requests/ every claim whose worker is dead; returns their names.

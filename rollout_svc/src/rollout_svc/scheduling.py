@@ -5,6 +5,15 @@ what it can with the weights it holds before switching. To keep that from starvi
 request waiting longer than `max_wait_s` is served next whatever its weights. Requests that
 cannot be served at all (unreadable, expired) are claimed first: answering them is cheap.
 
+Fan-out is a rule: the parts of one call (requests with the same `call_id`) go to different idle
+workers. A worker takes only its share of a call's pending parts: the parts divided among itself
+and the other live workers whose status says idle or sleeping, rounded up. With a part per
+worker, the first to scan takes one part and leaves the others to its idle peers. A worker whose
+peers are busy or gone takes all that is left; one that finds parts still pending after serving
+its share takes its share again, so nothing waits on a peer that looks idle but does not come.
+Status files are read only when a call has several parts pending, and only until enough idle
+peers are found to bring the share down to one part.
+
 The pick reads request files before claiming them. That is safe: files in requests/ are
 complete by contract, and the authoritative read happens again after the claim.
 """
@@ -12,6 +21,7 @@ complete by contract, and the authoritative read happens again after the claim.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from protocol.fsio import read_regular_file
@@ -37,8 +47,16 @@ class Scheduler:
         self.limits = limits or Limits()
         self._peeked: dict[tuple[str, float, int], Request | None] = {}
 
-    def pick(self, entries: list[Entry], loaded_weights_dir: str | None, now: float | None = None) -> list[Entry]:
-        """Entries to claim now, from `entries` (oldest first, as Spool.pending returns)."""
+    def pick(
+        self,
+        entries: list[Entry],
+        loaded_weights_dir: str | None,
+        now: float | None = None,
+        *,
+        worker_id: str | None = None,
+    ) -> list[Entry]:
+        """Entries to claim now, from `entries` (oldest first, as Spool.pending returns).
+        `worker_id`: the picking worker, whose own status file does not count as an idle peer."""
         if not entries:
             return []
         now = time.time() if now is None else now
@@ -54,16 +72,30 @@ class Scheduler:
                 if request.weights_dir == loaded_weights_dir:
                     target = weights_key(request)
                     break
-        batch, sequences = [], 0
-        for entry, request in peeked:
-            if weights_key(request) != target:
-                continue
+        candidates = [(entry, request) for entry, request in peeked if weights_key(request) == target]
+        shares = self._shares([request for _, request in candidates], worker_id)
+        batch, sequences, taken = [], 0, Counter()
+        for entry, request in candidates:
+            if request.call_id is not None and taken[request.call_id] >= shares[request.call_id]:
+                continue  # left for an idle peer
             full = len(batch) >= self.limits.max_requests
             if batch and (full or sequences + request.num_sequences > self.limits.max_sequences):
                 break
             batch.append(entry)
             sequences += request.num_sequences
+            taken[request.call_id] += 1
         return batch
+
+    def _shares(self, requests: list[Request], worker_id: str | None) -> Counter[str]:
+        """How many pending parts of each call this worker takes now: its share of them among
+        itself and the idle peers, rounded up (at least one, so the call always moves on)."""
+        parts = Counter(request.call_id for request in requests if request.call_id is not None)
+        most = max(parts.values(), default=0)
+        if most < 2:
+            return parts
+        # More idle peers than a call's parts minus one cannot make a share smaller than one part.
+        idle = len(self.spool.idle_peers(worker_id, enough=most - 1))
+        return Counter({call: -(-n // (idle + 1)) for call, n in parts.items()})
 
     def _peek(self, entry: Entry) -> Request | None:
         """The request an entry holds, or None when it cannot be accepted as it is."""

@@ -185,7 +185,7 @@ class Worker:
             self.tally.queue_depth = len(entries)
             self._write_metrics()
             if entries:
-                batch = self.scheduler.pick(entries, self.engine.weights_dir)
+                batch = self.scheduler.pick(entries, self.engine.weights_dir, worker_id=self.config.worker_id)
                 exit_code = self._serve_batch(batch)
                 if exit_code is not None:
                     return exit_code

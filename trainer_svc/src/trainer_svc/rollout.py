@@ -342,7 +342,13 @@ class RolloutService:
             run, tag = _id_part(self.cfg.run_dir.name[:40]), _id_part(ticket.tag[:12])
             name = f"{run}-{tag}-s{ticket.step:08d}-a{ticket.attempt}-p{part}-{digest}"
             requests.append(Request(request_id=name, **fields))
-        return requests
+        if not requests:
+            return requests
+        # One call id on every part, so that workers leave the other parts to their idle peers; from
+        # the parts' ids, so the same call made again names the same call.
+        call_digest = hashlib.sha256(" ".join(r.request_id for r in requests).encode()).hexdigest()[:12]
+        call_id = f"{run}-{tag}-s{ticket.step:08d}-a{ticket.attempt}-{call_digest}"
+        return [msgspec.structs.replace(r, call_id=call_id) for r in requests]
 
     def _send(self, requests: list[Request]) -> None:
         """Submit, in one batch, the requests the spool does not hold in any state."""

@@ -1,0 +1,122 @@
+"""The parts of one call go to different idle workers, whoever scans first (real workers, real spool).
+
+Worker A (vLLM, so its engine call lasts long enough to be caught in it) finds a two-part call
+first, while worker B is idle but frozen before its scan: A must take one part and leave the
+other to B. And a peer that looks idle but never comes costs a part one engine call of the
+other worker, never its lease.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import ENGINE_START_TIMEOUT_S, kill_session, start_worker, wait_for_status
+
+from protocol.messages import Request, decode_status
+from protocol.spool import Spool
+
+pytestmark = pytest.mark.timeout(900)
+
+LEASE_S = "120"  # a frozen worker stays live by its status for the whole test
+
+
+def call(call_id: str, weights_dir, parts: int, **fields) -> list[Request]:
+    fields = dict(prompts=[f"{i}+{i}=" for i in range(8)], n_samples_per_prompt=16, max_tokens=100) | fields
+    weights_dir = str(weights_dir)
+    return [
+        Request(
+            request_id=f"{call_id}-p{part}",
+            call_id=call_id,
+            weights_dir=weights_dir,
+            temperature=1.0,
+            seed=part,
+            **fields,
+        )
+        for part in range(parts)
+    ]
+
+
+def served_by(spool: Spool, request_ids: list[str], timeout_s: float = 300.0) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        results = spool.read_results(request_ids)
+        if len(results) == len(request_ids):
+            assert all(r.ok for r in results.values()), [r.error for r in results.values()]
+            return {request_id: result.worker_id for request_id, result in results.items()}
+        assert time.monotonic() < deadline, f"only {sorted(results)} of {request_ids} answered"
+        time.sleep(0.05)
+
+
+def until_generating(spool: Spool, worker_id: str, timeout_s: float) -> None:
+    """Polls the worker's status file often: the engine call lasts a second or more, this a few ms."""
+    deadline = time.monotonic() + timeout_s
+    while decode_status(spool.status_path(worker_id).read_bytes()).state != "generating":
+        assert time.monotonic() < deadline, f"{worker_id} never started its engine call"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def workers(tmp_path):
+    procs = {}
+    yield procs
+    for proc in procs.values():
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        kill_session(proc)
+        proc.wait(timeout=30)
+
+
+def test_the_worker_that_scans_first_leaves_the_other_part_to_its_idle_peer(models, tmp_path, workers):
+    spool = Spool(tmp_path / "spool", create=True)
+    common = ["--idle-exit", "0", "--lease", LEASE_S]
+    workers["a"] = start_worker(
+        spool.root, "fan-a", "--engine", "vllm", "--allowed-root", str(models["root"]), "--weights", str(models["a"]),
+        "--max-model-len", "128", *common, log_dir=tmp_path,
+    )  # fmt: skip
+    workers["b"] = start_worker(spool.root, "fan-b", "--engine", "echo", *common, log_dir=tmp_path)
+    ready = lambda s: s.state == "idle" and bool(s.weights_dir)  # noqa: E731
+    wait_for_status(spool, "fan-a", ready, ENGINE_START_TIMEOUT_S, workers["a"])
+    wait_for_status(spool, "fan-b", lambda s: s.state == "idle", 60, workers["b"])
+
+    # Both frozen while the call lands, so A's first scan sees both parts; B stays frozen, idle by
+    # its status, until A is caught in its engine call.
+    for proc in workers.values():
+        os.killpg(proc.pid, signal.SIGSTOP)
+    parts = call("fan", models["a"], 2)
+    spool.submit_many(parts)
+    os.killpg(workers["a"].pid, signal.SIGCONT)
+    until_generating(spool, "fan-a", timeout_s=300)
+    os.killpg(workers["a"].pid, signal.SIGSTOP)
+    assert not spool.read_results([p.request_id for p in parts]), "A's engine call ended before it was caught in it"
+    held_by_a = sorted(n for n in os.listdir(spool.claimed) if n.endswith("@fan-a.json"))
+
+    os.killpg(workers["b"].pid, signal.SIGCONT)
+    deadline = time.monotonic() + 120  # B's next scan: a file event queued while it was frozen, or its rescan
+    while os.listdir(spool.requests):
+        assert time.monotonic() < deadline, "B left the pending part in requests/"
+        time.sleep(0.05)
+    os.killpg(workers["a"].pid, signal.SIGCONT)
+    by = served_by(spool, [p.request_id for p in parts])
+    assert held_by_a == ["fan-p0@fan-a.json"], held_by_a  # A took one part of the two
+    assert sorted(by.values()) == ["fan-a", "fan-b"], by
+
+
+def test_a_peer_that_looks_idle_but_never_comes_costs_no_lease(tmp_path, workers):
+    """B is frozen (idle by its status for its 120 s lease): A serves both parts, one engine call
+    after the other, while B still counts as live."""
+    spool = Spool(tmp_path / "spool", create=True)
+    common = ["--engine", "echo", "--idle-exit", "0", "--lease", LEASE_S]
+    for name in ("a", "b"):
+        workers[name] = start_worker(spool.root, f"echo-{name}", *common, log_dir=tmp_path)
+        wait_for_status(spool, f"echo-{name}", lambda s: s.state == "idle", 60, workers[name])
+    os.killpg(workers["b"].pid, signal.SIGSTOP)
+    parts = call("late", "/models/none", 3, n_samples_per_prompt=1, max_tokens=4)
+    spool.submit_many(parts)
+    by = served_by(spool, [p.request_id for p in parts])
+    assert set(by.values()) == {"echo-a"}, by
+    assert "echo-b" in {s.worker_id for s in Spool(spool.root).live_workers()}  # its lease never ran out
