@@ -3,8 +3,9 @@ names others, asleep when the worker asks, rebuilt in a new process when nothing
 
 Weight changes, cheapest path first:
 - same directory and content id as loaded (and awake): nothing to do;
-- same architecture and tokenizer: `reload_weights` in place (no new engine), reset the prefix
-  cache, check that the engine's tensors equal the files' (rollout_svc.engines.vllm_host);
+- same architecture and tokenizer: reload in place (no new engine; the files read straight onto
+  the device), reset the prefix cache, check that the engine's tensors equal the files'
+  (rollout_svc.engines.vllm_host);
 - asleep: wake up, reloading the weights when the sleep level discarded them or others are
   named, and check them the same way;
 - architecture or tokenizer changed, or the reload or wake failed: close the engine's process,

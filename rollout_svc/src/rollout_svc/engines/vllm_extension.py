@@ -1,7 +1,8 @@
 """Methods added to each vLLM worker process (vLLM's `worker_extension_cls`).
 
 Called by name through `LLM.collective_rpc`; they run next to the model's tensors, so a
-check of what the engine holds moves a few floats across processes, not the weights.
+check of what the engine holds moves a few floats across processes, not the weights, and a
+reload reads the files straight onto the model's device.
 """
 
 from __future__ import annotations
@@ -40,3 +41,24 @@ class WeightProbe:
             "cuda_graphs": captured,
             "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         }
+
+    def load_files(self, paths: list[str], post_process: bool) -> None:
+        """Load the safetensors files `paths` into the model in place, each read straight onto the
+        model's device (one file held there at a time), not tensor by tensor through host memory.
+
+        `post_process`: through vLLM's own reload, which runs each layer's post-load processing
+        (CPU repacking, quantization). Otherwise the model's loader copies them into the
+        parameters, as vLLM's first load does before that processing: only where it changes
+        nothing (unquantized layers on a GPU)."""
+        from safetensors.torch import load_file
+
+        device = str(next(self.model_runner.model.parameters()).device)
+
+        def tensors():
+            for path in paths:
+                yield from load_file(path, device=device).items()
+
+        if post_process:
+            self.reload_weights(weights_iterator=tensors())
+        else:
+            self.model_runner.model.load_weights(tensors())
