@@ -276,3 +276,59 @@ def test_sigterm_while_generating_loses_nothing(worker, models, client_for):
         # Given back, it would keep the worker's next life busy for the tests after this one.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(spool.request_path(request.request_id))
+
+
+REPUBLISHER = """
+import json, os, shutil, sys, time
+dest, a, b, stop = sys.argv[1:5]
+i = 0
+while not os.path.exists(stop):
+    i += 1
+    name, source = ("a", a) if i % 2 else ("b", b)
+    staging = f"{dest}.staging"
+    shutil.copytree(source, staging)
+    with open(os.path.join(staging, "manifest.json"), "w") as f:
+        json.dump({"content_id": f"{name}-{i}"}, f)
+    if os.path.exists(dest):  # replace: the old version aside, the new one in, the old one deleted
+        os.rename(dest, f"{dest}.old")
+    os.rename(staging, dest)
+    shutil.rmtree(f"{dest}.old", ignore_errors=True)
+    if i % 7 == 0:  # now and then gone for a moment, as a pruned directory is
+        os.rename(dest, f"{dest}.old")
+        shutil.rmtree(f"{dest}.old")
+    time.sleep(0.02)
+"""
+
+
+def test_a_directory_republished_while_the_worker_loads_it_is_never_served_torn(
+    worker, models, client_for, reference, tmp_path
+):
+    """A writer republishes one directory over and over (models a and b in turn, each version
+    with its own content id, now and then removed for a moment) while the worker serves
+    requests naming it. Each answer comes from the version its content id names, or is a clean
+    refusal (the directory was gone, or changed under every load); the engine never fails."""
+    import subprocess
+    import sys
+
+    client = client_for(worker["spool"].root)
+    dest = models["root"] / "republished"
+    stop = tmp_path / "stop"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", REPUBLISHER, str(dest), str(models["a"]), str(models["b"]), str(stop)]
+    )
+    served, refused = {"a": 0, "b": 0}, []
+    try:
+        for _ in range(24):
+            result = ask(client, dest, ["12+7="], max_tokens=6)
+            if not result.ok:
+                refused.append(result.error.code)
+                continue
+            version = result.weights_content_id.split("-")[0]
+            expected = reference.greedy(models[version], result.prompt_token_ids[0], 6)
+            assert result.token_ids[0][0] == expected, f"served {result.weights_content_id} with other weights"
+            served[version] += 1
+    finally:
+        stop.touch()
+        writer.wait(timeout=60)
+    assert set(refused) <= {ErrorCode.WEIGHTS_NOT_FOUND, ErrorCode.WEIGHTS_INVALID}, refused
+    assert served["a"] and served["b"], served  # both versions were really served

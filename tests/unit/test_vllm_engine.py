@@ -180,6 +180,63 @@ def test_a_directory_replaced_while_it_loads_is_loaded_again_and_named_by_its_ne
     assert load.bytes == 2 * e.weights.size_bytes
 
 
+def test_a_reload_check_failed_by_a_directory_replaced_under_it_reloads_in_place_not_rebuilds(engine, models):
+    """The engine process compares its tensors with the files after a reload; files swapped under
+    it fail that check. The engine is sound (the files moved, not the engine): load again in
+    place, never pay for a new engine."""
+    import shutil
+
+    served = models["root"] / "swapped"
+    shutil.copytree(models["b"], served)
+    e = engine()
+    e.load(str(models["a"]))
+    host = FakeHost.started[0]
+    real_call = host.call
+
+    def swap_and_fail_the_first_check(command, *args):
+        if command == "reload" and host.commands.count("reload") == 0:
+            config = served / "config.json"
+            config.write_text(config.read_text() + " ")  # a new version of the directory
+            host.calls.append((command, *args))
+            raise HostError("StaleWeights: model.norm.weight: engine sum 1.0, file sum 2.0")
+        return real_call(command, *args)
+
+    host.call = swap_and_fail_the_first_check
+    e.load(str(served))
+    assert host.commands == ["build", "reload", "reload"] and len(FakeHost.started) == 1 and not host.closed
+
+
+def test_what_a_failed_reload_left_is_never_taken_for_the_weights_it_had(engine, models):
+    """The directory is removed while the engine reloads from it: the request fails cleanly, and
+    the engine, holding neither the old weights nor the new, reloads for the next request even if
+    it names the weights it had before."""
+    import shutil
+
+    from rollout_svc.errors import RequestFailed
+
+    served = models["root"] / "vanishing"
+    shutil.copytree(models["b"], served)
+    e = engine()
+    e.load(str(models["a"]))
+    host = FakeHost.started[0]
+    real_call = host.call
+
+    def remove_and_fail(command, *args):
+        if command == "reload":
+            shutil.rmtree(served, ignore_errors=True)
+            host.calls.append((command, *args))
+            raise HostError("FileNotFoundError: model.safetensors")
+        return real_call(command, *args)
+
+    host.call = remove_and_fail
+    with pytest.raises(RequestFailed) as failure:
+        e.load(str(served))
+    assert failure.value.code.value == "weights_not_found"
+    host.call = real_call
+    e.load(str(models["a"]))
+    assert host.commands == ["build", "reload", "reload"] and e.weights_dir == str(models["a"])
+
+
 def test_a_directory_replaced_at_every_load_fails_its_request_and_the_engine_serves_on(engine, models):
     from rollout_svc.errors import RequestFailed
 

@@ -63,6 +63,14 @@ class Load(NamedTuple):
 ALREADY_LIVE = Load(0.0, 0)
 
 
+class _Replaced(Exception):
+    """A load failed because its directory changed under it; `load` is what it cost."""
+
+    def __init__(self, load: Load):
+        super().__init__("the weights directory changed while it was loaded")
+        self.load = load
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -132,23 +140,34 @@ class VllmEngine:
     def load(self, weights_dir: str, expected_content_id: str | None = None) -> Load:
         """Make `weights_dir` the live weights: in place when it can, else in a new engine.
 
-        A directory replaced while its files were being read (a trainer republishing a step) could
-        leave the engine with another version than the content id it read first: the content id
-        is read again once the load is done, and a change means loading again."""
+        A directory replaced while its files were being read (a trainer republishing a step) can
+        leave the engine with another version than the content id read first, or fail the reload's
+        check of the engine against the files: the content id is read again after the load, or
+        after a failure, and a change means loading again (in place: the engine is sound, the
+        files moved), up to LOAD_TRIES times."""
         seconds, read = 0.0, 0
         for _ in range(LOAD_TRIES):
-            load = self._load_once(weights_dir, expected_content_id)
-            seconds, read = seconds + load.seconds, read + load.bytes
-            if load is ALREADY_LIVE or self._content_id_now(self.weights) == self.weights.content_id:
-                return Load(seconds, read)
+            try:
+                load = self._load_once(weights_dir, expected_content_id)
+            except _Replaced as replaced:
+                seconds, read = seconds + replaced.load.seconds, read + replaced.load.bytes
+            else:
+                seconds, read = seconds + load.seconds, read + load.bytes
+                if load is ALREADY_LIVE or self._content_id_now(self.weights) == self.weights.content_id:
+                    return Load(seconds, read)
+                self._holding_unknown_version()
             log.warning("%s was replaced while it was being loaded; loading it again", weights_dir)
-            # What the engine holds is known only as "a version of this directory": never equal to any.
-            self.weights = dataclasses.replace(self.weights, content_id=f"{self.weights.content_id}?replaced")
         raise RequestFailed(
             ErrorCode.WEIGHTS_INVALID,
             f"weights_dir {weights_dir} was replaced each of the {LOAD_TRIES} times it was loaded; "
             "publish each version into a new directory, or replace it less often than a load takes",
         )
+
+    def _holding_unknown_version(self) -> None:
+        """The engine holds some version of its weights directory, or a mix: equal to no content id,
+        so the next load of any weights reloads, in place while the engine process lives."""
+        if self.weights is not None:
+            self.weights = dataclasses.replace(self.weights, content_id=f"{self.weights.content_id}?unknown")
 
     @staticmethod
     def _content_id_now(weights: Weights) -> str | None:
@@ -190,6 +209,11 @@ class VllmEngine:
             else:
                 self._build(weights)
         except HostError as exc:
+            if self._content_id_now(weights) != weights.content_id:  # the files changed under the load
+                if same_shape:
+                    self.weights = live
+                    self._holding_unknown_version()
+                raise _Replaced(Load(time.monotonic() - started, read)) from exc
             if not same_shape:
                 raise
             # A failed reload or wake must not leave a broken engine behind.
