@@ -221,6 +221,8 @@ def test_run_eval_splits_prompts_across_requests_and_keeps_the_order(spool, run_
     assert len(served) == 3 and all(n.startswith("split-") for n in served)
     sizes = [len(json.loads((spool.done / n).read_text())["prompts"]) for n in served]
     assert sizes == [3, 3, 1]
+    call_ids = {json.loads((spool.done / n).read_text()).get("call_id") for n in served}
+    assert len(call_ids) == 1 and call_ids.pop().startswith("split-")  # one call: parts spread over idle workers
     assert [r["completions"] for r in report.rows] == [[q["question"]] * 2 for q in questions]
     assert [r["correct"] for r in report.rows] == [[i % 3 != 0] * 2 for i in range(7)]
     assert report.accuracy == pytest.approx(8 / 14)  # rows 0, 3, 6 wrong, two samples each

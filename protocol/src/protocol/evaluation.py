@@ -101,6 +101,7 @@ def run_eval(
             stop=stop or [],
             logprobs=False,
             tag="eval",
+            call_id=f"{name}-{stamp}",  # one call: its parts spread over the idle workers
         )
         for i in range(0, len(rows), prompts_per_request)
     ]
