@@ -4,7 +4,7 @@ The status file is the lease: other processes give this worker's claims back to 
 it has not changed for `lease_s` as they watch it (protocol/leases.py). The heartbeat runs in
 its own thread so a long engine call does not starve it; if writing fails, `alive()` turns false
 and the worker loop stops publishing (a worker without a heartbeat may already have lost its
-claims).
+claims); `failure` says why (a full disk, or something else).
 
 The worker counts in two places and nowhere else: the status file's `counters` (requests,
 samples, tokens) and a `Tally` of what the status file does not show (errors by code, reloads,
@@ -81,6 +81,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._last_beat = 0.0  # monotonic time of the last successful write
+        self.failure: OSError | None = None  # why the last write failed; None after a success
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -114,8 +115,10 @@ class Heartbeat:
             try:
                 self.spool.write_status(self.status)
             except OSError as exc:
+                self.failure = exc
                 log.error("heartbeat write failed: %s", exc)
                 return False
+            self.failure = None
             self._last_beat = time.monotonic()
         self.on_beat()
         return True
