@@ -349,7 +349,7 @@ class Worker:
             return None
         except MessageError as exc:
             log.warning("rejected %s: %s", claim.name, exc.message)
-            retrying(lambda: self.spool.reject(claim, exc, self.config.worker_id), f"rejecting {claim.path}")
+            retrying(lambda e=exc: self.spool.reject(claim, e, self.config.worker_id), f"rejecting {claim.path}")
             self._count_failure(exc.code)
             self.heartbeat.update(last_error=f"{claim.name}: {exc.message}")
             return None
