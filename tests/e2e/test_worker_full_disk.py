@@ -203,4 +203,3 @@ def test_a_vllm_worker_on_a_full_disk_gives_its_request_back(tmp_path, disk, cli
     nothing_torn_nothing_lost(spool, ["v.json"])
     assert spool.request_path("v").exists()
     relaunch_serves_everything(spool, disk, tmp_path, client, ["v"])
-

@@ -92,7 +92,10 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=self.interval_s + 5)
         if remove:
-            self.spool.remove_status(self.status.worker_id)
+            try:
+                self.spool.remove_status(self.status.worker_id)
+            except OSError as exc:  # at exit: the exit code and the log already say what failed
+                log.error("status file not removed: %s", exc)
 
     def update(self, **fields) -> None:
         """Change status fields and publish at once, so operators see state changes live."""
