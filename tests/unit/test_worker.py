@@ -696,3 +696,26 @@ def test_a_full_disk_status_file_gives_the_batch_back_and_exits_74(
     assert spool.request_path("hb").exists()  # given back at once, not left for the lease
     message = next(r.getMessage() for r in caplog.records if "cannot write to the spool" in r.getMessage())
     assert f"-> '{spool.status_path('w1')}'" in message
+
+
+def test_a_claim_whose_rename_reply_was_lost_is_still_served(spool, make_request, run_worker, wait_for, monkeypatch):
+    """Over NFS a rename may move the file and still report EIO (its reply lost); the retry then
+    finds the file gone. The claim under our id is ours: served, not left in claimed/."""
+    import rollout_svc.errors
+
+    monkeypatch.setattr(rollout_svc.errors, "RETRY_DELAYS_S", (0.01,), raising=False)
+    spool.submit(make_request("lost-reply"))
+    real_rename, lost = os.rename, []
+
+    def rename(src, dst, *args, **kwargs):
+        real_rename(src, dst, *args, **kwargs)
+        if os.path.basename(src) == "lost-reply.json" and not lost:
+            lost.append(dst)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
+
+    monkeypatch.setattr(os, "rename", rename)
+    handle = run_worker(spool)
+    assert wait_results(spool, wait_for, ["lost-reply"])["lost-reply"].ok
+    wait_for(lambda: os.listdir(spool.claimed) == [], what="the claim archived")
+    assert handle.stop() == 0
+    assert lost == [spool.claimed / "lost-reply@w1.json"]

@@ -56,10 +56,7 @@ class WorkerSide(SpoolLayout):
         try:
             os.rename(entry.path, target)
         except FileNotFoundError:
-            # Another worker got it, or this is a retried rename whose first try moved the file
-            # (NFS: the reply lost): a target under our own id is ours, nobody else names it so.
-            if not os.path.lexists(target):
-                return None
+            return None
         return Claim(entry.name, target, worker_id, entry.mtime)
 
     def _reject_unclaimable(self, entry: Entry) -> None:

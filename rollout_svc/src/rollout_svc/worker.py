@@ -41,7 +41,7 @@ from protocol.spool import Claim, ClaimLost, Spool, split_claimed_name
 from protocol.watch import Waker
 
 from .engines import Completion, Engine
-from .errors import RequestFailed, is_full_disk, retrying
+from .errors import TRANSIENT, RequestFailed, is_full_disk, retrying
 from .metrics import Metrics
 from .notify import Notifier
 from .scheduling import Limits, Scheduler, weights_key
@@ -295,7 +295,7 @@ class Worker:
         jobs: list[_Job] = []
         for entry in entries:
             try:
-                claim = retrying(lambda e=entry: self.spool.claim(e, self.config.worker_id), f"claiming {entry.path}")
+                claim = self._claim(entry)
             except OSError as exc:
                 if is_full_disk(exc):
                     raise
@@ -337,6 +337,26 @@ class Worker:
                 self._set_aside([job.claim for job in group], exc, "cannot publish the result of")
         self._engine_state(self._resting())
         return None
+
+    def _claim(self, entry) -> Claim | None:
+        """spool.claim, tried again on ESTALE or EIO. A retried rename may find the file gone
+        because its first try moved it (over NFS the reply can be lost): then the claim under
+        our id is ours."""
+        transient: list[OSError] = []
+
+        def attempt() -> Claim | None:
+            try:
+                return self.spool.claim(entry, self.config.worker_id)
+            except OSError as exc:
+                if exc.errno in TRANSIENT:
+                    transient.append(exc)
+                raise
+
+        claim = retrying(attempt, f"claiming {entry.path}")
+        target = self.spool.claim_path(entry.name, self.config.worker_id)
+        if claim is None and transient and os.path.lexists(target):
+            return Claim(entry.name, target, self.config.worker_id, entry.mtime)
+        return claim
 
     def _accept(self, claim: Claim) -> _Job | None:
         """Validate a fresh claim. Bad input is answered and archived here; None means done."""
