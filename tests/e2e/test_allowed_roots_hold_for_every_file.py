@@ -10,7 +10,7 @@ import os
 import shutil
 
 import pytest
-from conftest import start_worker, stop_worker
+from conftest import start_worker, stop_worker, wait_for_status
 
 from protocol import exit_codes
 from protocol.messages import Request
@@ -44,6 +44,7 @@ def test_a_file_linked_outside_the_roots_is_refused_and_the_worker_serves_on(tmp
     args = ["--engine", "vllm", "--allowed-root", str(root), "--max-model-len", "64", "--idle-exit", "0"]
     worker = start_worker(spool.root, "roots", *args, log_dir=tmp_path)
     try:
+        wait_for_status(spool, "roots", lambda s: s.state == "idle", 300, worker)  # up: vLLM imported
         ids = [f"linked-{i}" for i in range(len(LINKED))]
         for rid, name in zip(ids, LINKED, strict=True):
             client.submit(request(rid, linked_dirs[name][0]))

@@ -233,7 +233,7 @@ class Worker:
         claims: list[Claim] = []
         try:
             return self._serve_claims(entries, claims)
-        except OSError as exc:  # only a full disk gets here: one file's failure is handled where it happens
+        except OSError as exc:  # a full disk (one file's failure is handled where it happens)
             return self._cannot_write(exc, claims)
 
     def _cannot_write(self, exc: OSError, claims: list[Claim]) -> int:
