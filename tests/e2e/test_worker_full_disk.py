@@ -134,25 +134,23 @@ def test_a_bad_note_the_full_disk_cannot_hold_keeps_the_file_in_requests(tmp_pat
     client = client_for(spool.root)
     # Long heartbeats: the note, not the status file, is what meets the full disk first.
     worker = start_worker(spool.root, "full", *ECHO, "--heartbeat", "100", "--lease", "300", log_dir=tmp_path)
-    names = ["not an id.json", "r1.json"]
+    name = "not an id.json"  # no id, so no result: a note in bad/ says why it was refused
     try:
         wait_for_status(spool, "full", lambda s: s.state == "idle", 60, worker)
-        stage(spool, names[0], b"{}")
-        stage(spool, names[1], encode(echo_request("r1")))
-        os.utime(spool.requests / f".{names[1]}", (1, 1))  # older: claimed first when in the same scan
-        os.utime(spool.requests / f".{names[0]}", (2, 2))
+        stage(spool, name, encode(echo_request("r1")))
         disk.fill()
         unveil(spool)
         assert worker.wait(timeout=120) == exit_codes.CANNOT_WRITE, log_of(tmp_path, "full")[-3000:]
     finally:
         stop_worker(worker)
     log = log_of(tmp_path, "full")
-    assert "No space left on device" in log and f"-> '{spool.bad_note_path(names[0])}'" in log
-    assert "gave back" in log and "Free space" in log
-    nothing_torn_nothing_lost(spool, names)
-    assert (spool.requests / names[0]).exists()  # not in bad/ without its note
-    relaunch_serves_everything(spool, disk, tmp_path, client, ["r1"])
-    assert spool.bad_note_path(names[0]).read_text().startswith("invalid_request")
+    assert "No space left on device" in log and f"-> '{spool.bad_note_path(name)}'" in log
+    assert "gave back 1 requests" in log and "Free space" in log
+    nothing_torn_nothing_lost(spool, [name])
+    assert (spool.requests / name).exists()  # not in bad/ without its note
+    relaunch_serves_everything(spool, disk, tmp_path, client, [])
+    assert spool.bad_note_path(name).read_text().startswith("invalid_request")
+    assert spool.bad_path(name).exists()
 
 
 def test_a_metrics_textfile_the_full_disk_cannot_hold_only_warns_once(tmp_path, disk, client_for):
