@@ -645,19 +645,22 @@ def test_one_files_failure_skips_it_and_the_worker_serves_on(
     assert handle.stop() == 0
     assert spool.request_path("bad-1").exists() and not spool.has_result("bad-1")
     assert os.listdir(spool.claimed) == [] and os.listdir(spool.tmp) == []
-    skipped = [r.getMessage() for r in caplog.records if "tries this one again in 3600 s" in r.getMessage()]
+    skipped = [r.getMessage() for r in caplog.records if "tries this one again in 3600.0 s" in r.getMessage()]
     assert len(skipped) == 1 and "requests/bad-1.json" in skipped[0] and os.strerror(code) in skipped[0]
 
 
-def test_a_skipped_file_is_tried_again_later_and_served(spool, make_request, run_worker, wait_for, failing, caplog):
+@pytest.mark.parametrize("call", ["rename", "link"])  # claiming it fails, or publishing its result
+def test_a_skipped_file_is_tried_again_later_and_served(
+    spool, make_request, run_worker, wait_for, failing, caplog, call
+):
     spool.submit(make_request("later"))
-    attempts = failing("rename", errno.EBUSY, "later", times=2)
+    attempts = failing(call, errno.EBUSY, "later", times=2)
     handle = run_worker(spool, skip_s=0.2)
     assert wait_results(spool, wait_for, ["later"])["later"].ok
     assert handle.stop() == 0
     assert len(attempts) == 2
     waits = [r.getMessage() for r in caplog.records if "tries this one again in" in r.getMessage()]
-    assert len(waits) == 2 and "again in 0 s" in waits[0]  # 0.2 s, then 0.4 s: doubling
+    assert len(waits) == 2 and "again in 0.2 s" in waits[0] and "again in 0.4 s" in waits[1]  # doubling
 
 
 def test_a_spool_that_cannot_be_listed_exits_74(spool, run_worker, failing, caplog):

@@ -37,10 +37,12 @@ class Skipped:
         says what failed and what to do."""
         identity = _identity_of(path)
         earlier = self._skips.get(name)
-        again = earlier is not None and _same(earlier.identity, identity)
+        # The same file failing again waits twice as long. Its ctime may differ: a claim given
+        # back by this worker was moved, which sets it; its mtime and size stay.
+        again = earlier is not None and _same_file(earlier.identity, identity)
         delay = min(self.max_s, earlier.delay_s * 2) if again else self.first_s
         self._skips[name] = _Skip(identity, time.monotonic() + delay, delay)
-        log.error("%s: %s; the worker serves the other requests and tries this one again in %.0f s", what, error, delay)
+        log.error("%s: %s; the worker serves the other requests and tries this one again in %.1f s", what, error, delay)
 
     def servable(self, entries: list[Entry]) -> list[Entry]:
         """`entries` without those skipped now. Forgets entries that are gone."""
@@ -73,3 +75,7 @@ def _identity_of(path: Path) -> tuple | None:
 
 def _same(skipped: tuple | None, seen: tuple) -> bool:
     return skipped is None or skipped == seen
+
+
+def _same_file(earlier: tuple | None, now: tuple | None) -> bool:
+    return earlier is None or now is None or (earlier[0], earlier[2]) == (now[0], now[2])
