@@ -9,9 +9,11 @@
   limit is 0 (watchdog cannot open inotify there, as on a host out of inotify instances), find
   requests by their rescans and serve them.
 - A full disk (a file-size limit on the worker, RLIMIT_FSIZE; Python ignores SIGXFSZ, so writes
-  fail with EFBIG): a result that cannot be written sends its request back to requests/ and the
-  worker exits 74 with a message naming the spool; a status file that cannot be written exits 1.
-  Nothing half written is left, and another worker serves the request.
+  fail with EFBIG): a result or a status file that cannot be written sends its request back to
+  requests/ and the worker exits 74 with a message naming the file; a status file that cannot be
+  written for another reason (its name taken by a directory) exits 1. Nothing half written is
+  left, and another worker serves the request. tests/e2e/test_worker_full_disk.py fills a real
+  filesystem instead.
 
 The echo engine serves where vLLM is not the point; the stop paths use vLLM (an engine process
 to freeze), one engine start per test, since each test ends its worker.
@@ -143,8 +145,9 @@ def test_a_status_file_the_disk_cannot_hold_stops_the_worker_before_it_claims(tm
         output, _ = proc.communicate(timeout=60)
     finally:
         stop_worker(proc)
-    assert proc.returncode == exit_codes.INTERNAL_ERROR, output[-3000:]
-    assert "heartbeat write failed" in output and "File too large" in output and "heartbeat lost" in output
+    assert proc.returncode == exit_codes.CANNOT_WRITE, output[-3000:]
+    assert "heartbeat write failed" in output and "File too large" in output
+    assert f"-> '{spool.status_path('cramped')}'" in output and "Free space" in output
     assert spool.request_path("waiting").exists()
     nothing_half_written(spool)
 
@@ -153,6 +156,21 @@ def test_a_status_file_the_disk_cannot_hold_stops_the_worker_before_it_claims(tm
         assert client.wait(["waiting"], timeout_s=60)["waiting"].worker_id == "roomy"
     finally:
         stop_worker(other)
+
+
+def test_a_status_file_that_cannot_be_written_for_another_reason_exits_1(tmp_path, client_for):
+    spool = Spool(tmp_path / "spool", create=True)
+    client_for(spool.root).submit(echo_request("waiting"))
+    spool.status_path("blocked").mkdir()  # its status file's name is taken by a directory: rename() fails, EISDIR
+    proc = start_worker(spool.root, "blocked", *ECHO, log_dir=tmp_path)
+    try:
+        assert proc.wait(timeout=60) == exit_codes.INTERNAL_ERROR, log_of(tmp_path, "blocked")[-3000:]
+    finally:
+        stop_worker(proc)
+    log = log_of(tmp_path, "blocked")
+    assert "heartbeat write failed" in log and "Is a directory" in log and "heartbeat lost" in log
+    assert "Traceback" not in log
+    assert spool.request_path("waiting").exists() and os.listdir(spool.claimed) == []
 
 
 # -- stop paths ------------------------------------------------------------------------------------

@@ -96,6 +96,36 @@ def test_a_symlink_inside_a_root_pointing_outside_is_refused(tmp_path):
     assert f"resolved: {outside}" in exc.message
 
 
+@pytest.mark.parametrize("linked", ["model.safetensors", "config.json", "tokenizer.json", "sub/extra.json", "sub"])
+def test_a_file_inside_the_weights_linked_outside_the_roots_is_refused(tmp_path, linked):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    weights = make_weights(root / "ckpt")
+    (weights / "tokenizer.json").write_text("{}")
+    (weights / "sub").mkdir()
+    (weights / "sub" / "extra.json").write_text("{}")
+    outside.mkdir()
+    target = outside / linked.replace("/", "-")
+    os.rename(weights / linked, target)  # the file (or directory) now lives outside, linked from inside
+    os.symlink(target, weights / linked)
+    exc = failure(weights, WeightsPolicy([str(root)]))
+    assert exc.code == ErrorCode.WEIGHTS_NOT_ALLOWED
+    assert str(weights) in exc.message and f"{linked} resolves to {target}" in exc.message
+    assert "--allowed-root" in exc.message and "copy the file" in exc.message
+    assert WeightsPolicy().inspect(str(weights)).real_path == str(weights)  # no roots: any file may be read
+
+
+def test_files_linked_within_the_roots_are_allowed(tmp_path):
+    root = tmp_path / "root"
+    weights = make_weights(root / "ckpt")
+    shared = root / "shared"
+    shared.mkdir()
+    (shared / "tokenizer.json").write_text("{}")
+    os.symlink(shared / "tokenizer.json", weights / "tokenizer.json")
+    os.rename(weights / "model.safetensors", shared / "model.safetensors")
+    os.symlink("../shared/model.safetensors", weights / "model.safetensors")  # relative, as hardlink farms do
+    assert WeightsPolicy([str(root)]).inspect(str(weights)).shards == ("model.safetensors",)
+
+
 def test_roots_are_compared_after_resolving_their_own_symlinks(tmp_path):
     real_root = tmp_path / "real-root"
     weights = make_weights(real_root / "ckpt")

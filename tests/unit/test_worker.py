@@ -4,6 +4,7 @@ heartbeat loss and claims taken back."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -460,7 +461,7 @@ def test_heartbeat_loss_abandons_the_batch_and_exits_1(spool, make_request, run_
 
     def write_status(status):
         if broken.is_set():
-            raise OSError(28, "No space left on device")
+            raise PermissionError(errno.EACCES, "Permission denied")
         real_write_status(status)
 
     monkeypatch.setattr(spool, "write_status", write_status)
@@ -553,3 +554,171 @@ def test_a_claim_taken_back_before_it_is_read_does_not_crash_the_worker(
     assert handle.error is None, f"worker crashed: {handle.error!r}"
     assert taken == ["race.json"]
     assert spool.read_result("race").ok  # served from its requeued copy
+
+
+# -- OSErrors: a full disk stops the worker, one file's failure does not -------------------------------
+# Test doubles of the failing call, for the errnos the kernel cannot be made to give here; the
+# real ones (ENAMETOOLONG, EPERM, ENOSPC, EFBIG) are in tests/e2e/test_worker_one_bad_file.py
+# and test_worker_full_disk.py.
+
+
+@pytest.fixture
+def failing(monkeypatch):
+    """failing(call, errno, match, times=None): os.<call> fails with `errno` for a first path
+    argument whose name starts with `match`, `times` times (None: always). Returns the list of
+    failed attempts. Retries are made quick."""
+    import rollout_svc.errors
+
+    monkeypatch.setattr(rollout_svc.errors, "RETRY_DELAYS_S", (0.01, 0.02, 0.04, 0.08), raising=False)
+    attempts: list[str] = []
+
+    def make(call: str, code: int, match: str, times: int | None = None) -> list[str]:
+        real = getattr(os, call)
+
+        def double(path, *args, **kwargs):
+            name = os.path.basename(os.fspath(path)) if not isinstance(path, int) else _fd_name(path)
+            if name.startswith(match) and (times is None or len(attempts) < times):
+                attempts.append(name)
+                raise OSError(code, os.strerror(code), None if isinstance(path, int) else os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, call, double)
+        return attempts
+
+    return make
+
+
+def _fd_name(fd: int) -> str:
+    try:
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_a_full_disk_or_quota_gives_the_claim_back_and_exits_74_naming_the_file(
+    spool, make_request, run_worker, failing, caplog, code
+):
+    spool.submit(make_request("full"))
+    failing("write", code, "full")  # writing the result's bytes fails; the status file still fits
+    handle = run_worker(spool)
+    assert handle.join(15) == 74
+    assert spool.request_path("full").exists() and not spool.has_result("full")
+    assert os.listdir(spool.tmp) == [] and os.listdir(spool.claimed) == [] and os.listdir(spool.results) == []
+    message = next(r.getMessage() for r in caplog.records if "cannot write to the spool" in r.getMessage())
+    assert os.strerror(code) in message and f"-> '{spool.result_path('full')}'" in message
+    assert "gave back 1 requests" in message and "Free space" in message
+
+
+@pytest.mark.parametrize("code", [errno.ESTALE, errno.EIO])
+def test_a_stale_handle_or_io_error_is_tried_again(spool, make_request, run_worker, wait_for, failing, caplog, code):
+    spool.submit(make_request("flaky"))
+    attempts = failing("rename", code, "flaky", times=2)
+    handle = run_worker(spool)
+    assert wait_results(spool, wait_for, ["flaky"])["flaky"].ok
+    assert handle.stop() == 0
+    assert attempts == ["flaky.json", "flaky.json"]
+    assert sum("trying again" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "code", "tries"),
+    [
+        ("rename", errno.ESTALE, 5),  # claiming: tried again, then skipped
+        ("rename", errno.EIO, 5),
+        ("rename", errno.EBUSY, 1),  # not a passing error: skipped at once
+        ("link", errno.EIO, 5),  # publishing its result: tried again, then the claim goes back
+    ],
+)
+def test_one_files_failure_skips_it_and_the_worker_serves_on(
+    spool, make_request, run_worker, wait_for, failing, caplog, call, code, tries
+):
+    submit_aged(spool, [make_request("bad-1")])
+    attempts = failing(call, code, "bad-")
+    handle = run_worker(spool, skip_s=3600)
+    wait_for(lambda: len(attempts) >= tries, what="the attempts")
+    spool.submit(make_request("good"))
+    assert wait_results(spool, wait_for, ["good"])["good"].ok  # served after the bad one failed
+    spool.submit(make_request("good-2"))
+    assert wait_results(spool, wait_for, ["good-2"])["good-2"].ok  # many scans later...
+    assert len(attempts) == tries  # ...the skipped file was not tried again
+    assert handle.stop() == 0
+    assert spool.request_path("bad-1").exists() and not spool.has_result("bad-1")
+    assert os.listdir(spool.claimed) == [] and os.listdir(spool.tmp) == []
+    skipped = [r.getMessage() for r in caplog.records if "tries this one again in 3600.0 s" in r.getMessage()]
+    assert len(skipped) == 1 and "requests/bad-1.json" in skipped[0] and os.strerror(code) in skipped[0]
+
+
+@pytest.mark.parametrize("call", ["rename", "link"])  # claiming it fails, or publishing its result
+def test_a_skipped_file_is_tried_again_later_and_served(
+    spool, make_request, run_worker, wait_for, failing, caplog, call
+):
+    spool.submit(make_request("later"))
+    attempts = failing(call, errno.EBUSY, "later", times=2)
+    handle = run_worker(spool, skip_s=0.2)
+    assert wait_results(spool, wait_for, ["later"])["later"].ok
+    assert handle.stop() == 0
+    assert len(attempts) == 2
+    waits = [r.getMessage() for r in caplog.records if "tries this one again in" in r.getMessage()]
+    assert len(waits) == 2 and "again in 0.2 s" in waits[0] and "again in 0.4 s" in waits[1]  # doubling
+
+
+def test_a_spool_that_cannot_be_listed_exits_74(spool, run_worker, failing, caplog):
+    attempts = failing("scandir", errno.EIO, "requests")
+    handle = run_worker(spool)
+    assert handle.join(15) == 74
+    assert len(attempts) == 5
+    assert any("cannot use the spool" in r.getMessage() and "Check its filesystem" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_a_full_disk_status_file_gives_the_batch_back_and_exits_74(
+    spool, make_request, run_worker, wait_for, monkeypatch, caplog
+):
+    broken = threading.Event()
+    real_write_status = spool.write_status
+
+    def write_status(status):
+        if broken.is_set():
+            error = OSError(errno.ENOSPC, "No space left on device", str(spool.scratch_path("w1.json")))
+            error.filename2 = str(spool.status_path("w1"))
+            raise error
+        real_write_status(status)
+
+    monkeypatch.setattr(spool, "write_status", write_status)
+    handles = []
+
+    def lose_heartbeat(_requests):
+        broken.set()
+        wait_for(lambda: not handles[0].worker.heartbeat.alive(), timeout=10, what="the heartbeat to lapse")
+
+    handles.append(run_worker(spool, HookEngine(lose_heartbeat), lease_s=1.0, heartbeat_s=0.2))
+    spool.submit(make_request("hb"))
+    assert handles[0].join(15) == 74
+    assert os.listdir(spool.results) == [] and os.listdir(spool.claimed) == []
+    assert spool.request_path("hb").exists()  # given back at once, not left for the lease
+    message = next(r.getMessage() for r in caplog.records if "cannot write to the spool" in r.getMessage())
+    assert f"-> '{spool.status_path('w1')}'" in message
+
+
+def test_a_claim_whose_rename_reply_was_lost_is_still_served(spool, make_request, run_worker, wait_for, monkeypatch):
+    """Over NFS a rename may move the file and still report EIO (its reply lost); the retry then
+    finds the file gone. The claim under our id is ours: served, not left in claimed/."""
+    import rollout_svc.errors
+
+    monkeypatch.setattr(rollout_svc.errors, "RETRY_DELAYS_S", (0.01,), raising=False)
+    spool.submit(make_request("lost-reply"))
+    real_rename, lost = os.rename, []
+
+    def rename(src, dst, *args, **kwargs):
+        real_rename(src, dst, *args, **kwargs)
+        if os.path.basename(src) == "lost-reply.json" and not lost:
+            lost.append(dst)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
+
+    monkeypatch.setattr(os, "rename", rename)
+    handle = run_worker(spool)
+    assert wait_results(spool, wait_for, ["lost-reply"])["lost-reply"].ok
+    wait_for(lambda: os.listdir(spool.claimed) == [], what="the claim archived")
+    assert handle.stop() == 0
+    assert lost == [spool.claimed / "lost-reply@w1.json"]

@@ -8,8 +8,10 @@ the file survives a power cut. Scratch files left by a crash are harmless and pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 FILE_MODE = 0o664  # group-writable, so one spool can be shared by a service group
@@ -30,11 +32,25 @@ def write_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:
             view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)
-    except BaseException:
+    except BaseException as exc:
         os.unlink(path)  # a full disk leaves no partial file behind: nobody could use it
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # write() and fsync() name no file: the log should
         raise
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def naming_final(final: Path) -> Iterator[None]:
+    """An OSError raised while publishing `final` names it too ('scratch' -> 'final'), so a
+    log says which file could not be written, not only which scratch file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename2 is None and exc.filename != str(final):
+            exc.filename2 = str(final)
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -88,12 +104,13 @@ def publish(scratch_dir: Path, final: Path, data: bytes, *, replace: bool = Fals
     cut (good enough for heartbeats, which are rewritten every few seconds).
     """
     scratch = scratch_dir / scratch_name(final.name)
-    write_synced(scratch, data, fsync=durable)
-    if replace:
-        os.rename(scratch, final)
-        created = True
-    else:
-        created = link_no_replace(scratch, final)
+    with naming_final(final):
+        write_synced(scratch, data, fsync=durable)
+        if replace:
+            os.rename(scratch, final)
+            created = True
+        else:
+            created = link_no_replace(scratch, final)
     if durable and created:
         fsync_dir(final.parent)
     return created

@@ -89,13 +89,22 @@ class SpoolLayout:
         return self.tmp / fsio.scratch_name(stem)
 
     def _free_bad_path(self, name: str) -> Path:
-        """bad/<name>, or bad/<name>.<n> with the first n not taken: earlier rejects are kept."""
+        """bad/<name>, or bad/<name>.<n> with the first n not taken: earlier rejects are kept.
+        A name too long for a suffix is cut to make room (file names hold 255 bytes)."""
         target, n = self.bad_path(name), 1
         while os.path.lexists(target):
-            target, n = self.bad_path(f"{name}.{n}"), n + 1
+            suffix = f".{n}"
+            target, n = self.bad_path(_cut_to_bytes(name, 255 - len(suffix)) + suffix), n + 1
         return target
 
     def entries(self, state: str) -> list[Entry]:
         if state not in STATES:
             raise ValueError(f"unknown state {state!r}; one of {', '.join(STATES)}")
         return sorted(scan(self.root / state), key=lambda e: (e.mtime, e.name))
+
+
+def _cut_to_bytes(name: str, limit: int) -> str:
+    """`name` shortened to at most `limit` bytes once encoded, never splitting a character."""
+    while len(os.fsencode(name)) > limit:
+        name = name[:-1]
+    return name

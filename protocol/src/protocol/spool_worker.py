@@ -61,16 +61,19 @@ class WorkerSide(SpoolLayout):
 
     def _reject_unclaimable(self, entry: Entry) -> None:
         # Only names that are not `<valid id>.json` get here (valid ids are short enough),
-        # so there is no result to write: a note in bad/ says why.
-        try:
-            os.rename(entry.path, self._free_bad_path(entry.name))
-        except FileNotFoundError:
+        # so there is no result to write: a note in bad/ says why. The note is written first:
+        # on a full disk the entry stays in requests/ rather than sit in bad/ unexplained.
+        if not os.path.lexists(entry.path):
             return
         self._note_in_bad(
             entry.name,
             ErrorCode.INVALID_REQUEST,
             f"file name {entry.name!r} is too long; name request files <request_id>.json",
         )
+        try:
+            os.rename(entry.path, self._free_bad_path(entry.name))
+        except FileNotFoundError:
+            return
 
     def load(self, claim: Claim, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
         """Read and validate a claimed request. Raises MessageError, never anything else."""
@@ -85,6 +88,10 @@ class WorkerSide(SpoolLayout):
             st = os.lstat(claim.path)
         except FileNotFoundError:
             raise ClaimLost(f"{claim.name} was taken back before it could be read") from None
+        except OSError as exc:
+            raise MessageError(
+                ErrorCode.UNREADABLE, f"requests/{claim.name} cannot be examined by the worker ({exc.strerror})"
+            ) from None
         if not stat.S_ISREG(st.st_mode):
             if stat.S_ISLNK(st.st_mode):
                 kind = "a symlink"
@@ -135,10 +142,11 @@ class WorkerSide(SpoolLayout):
         published = []
         for result in results:
             scratch = self.scratch_path(result.request_id)
-            # Compact: results carry [prompt][sample][token] lists; `spoolctl show` pretty-prints.
-            fsio.write_synced(scratch, encode(result))
             final = self.result_path(result.request_id)
-            linked = fsio.link_no_replace(scratch, final)
+            with fsio.naming_final(final):
+                # Compact: results carry [prompt][sample][token] lists; `spoolctl show` pretty-prints.
+                fsio.write_synced(scratch, encode(result))
+                linked = fsio.link_no_replace(scratch, final)
             published.append(linked and not self._superseded_by_consumed(final, result.request_id))
         if any(published):
             fsio.fsync_dir(self.results)

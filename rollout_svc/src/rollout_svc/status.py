@@ -4,7 +4,7 @@ The status file is the lease: other processes give this worker's claims back to 
 it has not changed for `lease_s` as they watch it (protocol/leases.py). The heartbeat runs in
 its own thread so a long engine call does not starve it; if writing fails, `alive()` turns false
 and the worker loop stops publishing (a worker without a heartbeat may already have lost its
-claims).
+claims); `failure` says why (a full disk, or something else).
 
 The worker counts in two places and nowhere else: the status file's `counters` (requests,
 samples, tokens) and a `Tally` of what the status file does not show (errors by code, reloads,
@@ -81,6 +81,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._last_beat = 0.0  # monotonic time of the last successful write
+        self.failure: OSError | None = None  # why the last write failed; None after a success
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -91,7 +92,10 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=self.interval_s + 5)
         if remove:
-            self.spool.remove_status(self.status.worker_id)
+            try:
+                self.spool.remove_status(self.status.worker_id)
+            except OSError as exc:  # at exit: the exit code and the log already say what failed
+                log.error("status file not removed: %s", exc)
 
     def update(self, **fields) -> None:
         """Change status fields and publish at once, so operators see state changes live."""
@@ -114,8 +118,10 @@ class Heartbeat:
             try:
                 self.spool.write_status(self.status)
             except OSError as exc:
+                self.failure = exc
                 log.error("heartbeat write failed: %s", exc)
                 return False
+            self.failure = None
             self._last_beat = time.monotonic()
         self.on_beat()
         return True

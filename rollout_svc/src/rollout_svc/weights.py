@@ -56,15 +56,22 @@ class Weights:
 
 
 class WeightsPolicy:
-    """Where weights may come from. With no roots, any readable directory is allowed."""
+    """Where weights may come from. With no roots, any readable directory is allowed.
+
+    With roots, the directory and every file and directory in it must resolve inside them: a
+    shard, config or tokenizer file that is a symlink to a file outside is refused like a
+    directory outside, before anything reads it (the engines read only what is in the
+    directory)."""
 
     def __init__(self, allowed_roots: list[str] | None = None):
         self.allowed_roots = [os.path.realpath(r) for r in (allowed_roots or [])]
 
+    def _inside(self, real: str) -> bool:
+        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.allowed_roots)
+
     def check_allowed(self, weights_dir: str) -> str:
         real = os.path.realpath(weights_dir)
-        inside = any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.allowed_roots)
-        if self.allowed_roots and not inside:
+        if self.allowed_roots and not self._inside(real):
             raise RequestFailed(
                 ErrorCode.WEIGHTS_NOT_ALLOWED,
                 f"weights_dir {weights_dir} (resolved: {real}) is outside the allowed roots "
@@ -72,6 +79,22 @@ class WeightsPolicy:
                 "the worker with another --allowed-root",
             )
         return real
+
+    def check_files_allowed(self, real: str, weights_dir: str) -> None:
+        """Every entry under the directory `real` (symlinks resolved) lies inside the roots."""
+        if not self.allowed_roots:
+            return
+        for directory, subdirs, files in os.walk(real):  # symlinked directories are checked, not entered
+            for name in [*subdirs, *files]:
+                target = os.path.realpath(os.path.join(directory, name))
+                if not self._inside(target):
+                    inner = os.path.relpath(os.path.join(directory, name), real)
+                    raise RequestFailed(
+                        ErrorCode.WEIGHTS_NOT_ALLOWED,
+                        f"weights_dir {weights_dir}: {inner} resolves to {target}, outside the allowed roots "
+                        f"{', '.join(self.allowed_roots)}; copy the file into the checkpoint instead of linking "
+                        "it, or start the worker with another --allowed-root",
+                    )
 
     def inspect(self, weights_dir: str) -> Weights:
         """Validate a weights directory without loading tensors. Raises RequestFailed."""
@@ -81,6 +104,7 @@ class WeightsPolicy:
                 ErrorCode.WEIGHTS_NOT_FOUND,
                 f"weights_dir {weights_dir} does not exist or is not a directory; name a saved model directory",
             )
+        self.check_files_allowed(real, weights_dir)
         config = _read_config(real, weights_dir)
         shards = _shards(real, weights_dir)
         size_bytes = sum(_check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)

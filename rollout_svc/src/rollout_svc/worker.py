@@ -12,8 +12,15 @@ Exit paths (protocol.exit_codes): SIGTERM or SIGINT let the batch in hand finish
 `stop_grace_s`, then give its claims back, and exit OK (0; a second signal gives them back at
 once); `idle_exit_s` without a request exits OK and frees the device; a failed heartbeat exits
 INTERNAL_ERROR (1) without publishing (another worker serves the claims once the lease runs
-out); weights that cannot be preloaded exit USAGE (2); a spool write that fails (a full disk)
-gives back the claims without a published result and exits CANNOT_WRITE (74).
+out); weights that cannot be preloaded exit USAGE (2); a spool write that fails for a full disk
+or quota (ENOSPC, EDQUOT, EFBIG; the status file's included) gives back the claims that have no
+published result and exits CANNOT_WRITE (74), its log naming the file.
+
+One bad file never stops the worker (errors.py sorts the OSErrors): a request file that cannot
+be claimed, read or archived is left in requests/ (given back when it was claimed), logged once
+and skipped for a while (skipped.py) while the worker serves the others. ESTALE and EIO are
+tried again a few times first. Only the spool itself failing (requests/ unreadable after those
+retries) stops the worker, with CANNOT_WRITE (74).
 
 Each result's timings say what its engine call spent loading weights: seconds and bytes of
 weight files (0 and 0 when they were already loaded). The worker counts into the status file's
@@ -23,6 +30,7 @@ counters and its Tally only; the metrics textfile, when asked for, renders those
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -33,10 +41,11 @@ from protocol.spool import Claim, ClaimLost, Spool, split_claimed_name
 from protocol.watch import Waker
 
 from .engines import Completion, Engine
-from .errors import RequestFailed
+from .errors import TRANSIENT, RequestFailed, is_full_disk, retrying
 from .metrics import Metrics
 from .notify import Notifier
 from .scheduling import Limits, Scheduler, weights_key
+from .skipped import Skipped
 from .status import Heartbeat, Tally
 
 log = logging.getLogger(__name__)
@@ -44,7 +53,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = exit_codes.OK
 EXIT_HEARTBEAT_LOST = exit_codes.INTERNAL_ERROR  # systemd restarts it; others serve its claims
 EXIT_PRELOAD_FAILED = exit_codes.USAGE
-EXIT_CANNOT_WRITE = exit_codes.CANNOT_WRITE  # a full disk: results cannot be published, claims given back
+EXIT_CANNOT_WRITE = exit_codes.CANNOT_WRITE  # a full disk, or a spool that cannot be read: claims given back
 
 
 @dataclass
@@ -61,6 +70,8 @@ class WorkerConfig:
     poll: bool | None = None  # None: poll only on filesystems without inotify
     preload: str | None = None  # weights to load before the first request
     sleep_when_idle_s: float | None = None  # put the engine to sleep after this long without requests; None: never
+    skip_s: float = 10.0  # a request file that failed is tried again after this long (doubling)
+    skip_max_s: float = 600.0  # ... up to this long
 
 
 @dataclass
@@ -95,8 +106,10 @@ class Worker:
         self.config = config
         self.notifier = notifier or Notifier({})
         self.metrics = metrics  # renders the counts below into a textfile; counts nothing itself
+        self._metrics_failure: str | None = None  # why the textfile was not written last time
         self.tally = Tally()  # with self.heartbeat.status.counters: every count the worker keeps
         self.scheduler = Scheduler(spool, config.limits)
+        self.skipped = Skipped(config.skip_s, config.skip_max_s)  # request files that failed, tried again later
         self.heartbeat = Heartbeat(
             spool,
             worker_id=config.worker_id,
@@ -173,17 +186,20 @@ class Worker:
         sleep_tried = False  # one sleep per idle spell: an engine with nothing to free stays awake
         while not self._stopping:
             if not self.heartbeat.alive():
-                log.error("heartbeat lost; exiting without publishing so others can take over")
-                return EXIT_HEARTBEAT_LOST
+                return self._heartbeat_lost([])
             now = time.monotonic()
-            if now >= next_recovery:
-                next_recovery = now + cfg.lease_s / 4
-                recovered = self.spool.recover_stale(cfg.lease_s)
-                if recovered:
-                    log.warning("gave back %d claims of dead workers: %s", len(recovered), recovered[:5])
-            entries = self.spool.pending()
-            self.tally.queue_depth = len(entries)
+            try:
+                if now >= next_recovery:
+                    next_recovery = now + cfg.lease_s / 4
+                    recovered = retrying(lambda: self.spool.recover_stale(cfg.lease_s), "giving back dead claims")
+                    if recovered:
+                        log.warning("gave back %d claims of dead workers: %s", len(recovered), recovered[:5])
+                pending = retrying(self.spool.pending, f"listing {self.spool.requests}")
+            except OSError as exc:
+                return self._cannot_write(exc, [])
+            self.tally.queue_depth = len(pending)
             self._write_metrics()
+            entries = self.skipped.servable(pending)
             if entries:
                 batch = self.scheduler.pick(entries, self.engine.weights_dir, worker_id=self.config.worker_id)
                 exit_code = self._serve_batch(batch)
@@ -206,7 +222,10 @@ class Worker:
         for entry in self.spool.entries("claimed"):
             original, worker_id = split_claimed_name(entry.name)
             if worker_id == self.config.worker_id:
-                self.spool.release(Claim(original, entry.path, worker_id, entry.mtime))
+                try:
+                    self.spool.release(Claim(original, entry.path, worker_id, entry.mtime))
+                except OSError as exc:  # one file: the others still go back, and the worker serves
+                    log.error("cannot give back claimed/%s of an earlier life: %s", entry.name, exc)
 
     # -- one batch -------------------------------------------------------------------------------
 
@@ -214,38 +233,84 @@ class Worker:
         claims: list[Claim] = []
         try:
             return self._serve_claims(entries, claims)
-        except OSError as exc:
+        except OSError as exc:  # a full disk (one file's failure is handled where it happens)
             return self._cannot_write(exc, claims)
 
     def _cannot_write(self, exc: OSError, claims: list[Claim]) -> int:
-        """A spool write failed (a full disk: ENOSPC, EDQUOT, EFBIG). Claims whose result is
-        published are archived, the others go back to requests/ for a worker that can write, and
-        the worker exits: serving on would only repeat the failure."""
+        """A spool write failed for a full disk (ENOSPC, EDQUOT, EFBIG), or the spool cannot be
+        read. Claims whose result is published are archived, the others go back to requests/ for
+        a worker that can write, and the worker exits: serving on would only repeat the failure."""
+        given_back = self._settle(claims)
+        if is_full_disk(exc):
+            what = "cannot write to the spool %s: %s; gave back %d requests. Free space on its filesystem, then restart"
+        else:
+            what = "cannot use the spool %s: %s; gave back %d requests. Check its filesystem, then restart"
+        log.error(what, self.spool.root, exc, given_back)
+        return EXIT_CANNOT_WRITE
+
+    def _settle(self, claims: list[Claim]) -> int:
+        """Archive the claims among `claims` whose result is published and give the others back
+        to requests/; returns how many were given back. A claim that cannot be moved stays in
+        claimed/: this worker's next life gives it back, or others once its lease runs out."""
         given_back = 0
         for claim in claims:
-            if not self.spool.holds(claim):
-                continue
-            published = self.spool.read_result(claim.request_id) if claim.request_id is not None else None
-            if published is not None:
-                self.spool.finish(claim, rejected=not published.ok and published.error.code.rejects_input)
-            else:
-                self.spool.release(claim)
-                given_back += 1
+            try:
+                if not self.spool.holds(claim):
+                    continue
+                published = self.spool.read_result(claim.request_id) if claim.request_id is not None else None
+                if published is not None:
+                    self.spool.finish(claim, rejected=not published.ok and published.error.code.rejects_input)
+                else:
+                    self.spool.release(claim)
+                    given_back += 1
+            except OSError as exc:
+                log.error("claim %s cannot be archived or given back: %s", claim.path, exc)
         self.heartbeat.count(requests_abandoned=given_back)
-        log.error(
-            "cannot write to the spool %s: %s; gave back %d requests. Free space on its filesystem, then restart",
-            self.spool.root, exc, given_back,
-        )  # fmt: skip
-        return EXIT_CANNOT_WRITE
+        return given_back
+
+    def _set_aside(self, claims: list[Claim], exc: OSError, what: str) -> None:
+        """One file's failure (not a full disk): settle `claims` and skip those given back for a
+        while, so that the worker serves the others and does not try them again at every scan."""
+        self._settle(claims)
+        for claim in claims:
+            path = self.spool.requests / claim.name
+            if os.path.lexists(path):
+                self.skipped.skip(claim.name, path, exc, f"{what} requests/{claim.name}")
+
+    def _heartbeat_lost(self, claims: list[Claim]) -> int:
+        """The status file could not be written for half a lease. On a full disk the claims go
+        back at once and the worker exits CANNOT_WRITE; otherwise it exits INTERNAL_ERROR
+        without touching them (others serve them once the lease runs out)."""
+        failure = self.heartbeat.failure
+        if failure is not None and is_full_disk(failure):
+            return self._cannot_write(failure, claims)
+        if claims:
+            log.error("heartbeat lost before publishing %d results; abandoning them", len(claims))
+            self.heartbeat.count(requests_abandoned=len(claims))
+        else:
+            log.error("heartbeat lost; exiting without publishing so others can take over")
+        return EXIT_HEARTBEAT_LOST
 
     def _serve_claims(self, entries, claims: list[Claim]) -> int | None:
         jobs: list[_Job] = []
         for entry in entries:
-            claim = self.spool.claim(entry, self.config.worker_id)
+            try:
+                claim = self._claim(entry)
+            except OSError as exc:
+                if is_full_disk(exc):
+                    raise
+                self.skipped.skip(entry.name, entry.path, exc, f"cannot claim requests/{entry.name}")
+                continue
             if claim is None:
                 continue  # another worker was faster
             claims.append(claim)
-            job = self._accept(claim)
+            try:
+                job = self._accept(claim)
+            except OSError as exc:
+                if is_full_disk(exc):
+                    raise
+                self._set_aside([claim], exc, "cannot read or answer")
+                continue
             if job is not None:
                 jobs.append(job)
         groups: dict[tuple, list[_Job]] = {}
@@ -263,25 +328,48 @@ class Worker:
                 self.heartbeat.count(requests_abandoned=sum(map(len, [group, *pending])))
                 return EXIT_OK
             if not self.heartbeat.alive():
-                log.error("heartbeat lost before publishing %d results; abandoning them", len(group))
-                self.heartbeat.count(requests_abandoned=len(group))
-                return EXIT_HEARTBEAT_LOST
-            self._publish(group, results)
+                return self._heartbeat_lost([job.claim for g in [group, *pending] for job in g])
+            try:
+                self._publish(group, results)
+            except OSError as exc:
+                if is_full_disk(exc):
+                    raise
+                self._set_aside([job.claim for job in group], exc, "cannot publish the result of")
         self._engine_state(self._resting())
         return None
+
+    def _claim(self, entry) -> Claim | None:
+        """spool.claim, tried again on ESTALE or EIO. A retried rename may find the file gone
+        because its first try moved it (over NFS the reply can be lost): then the claim under
+        our id is ours."""
+        transient: list[OSError] = []
+
+        def attempt() -> Claim | None:
+            try:
+                return self.spool.claim(entry, self.config.worker_id)
+            except OSError as exc:
+                if exc.errno in TRANSIENT:
+                    transient.append(exc)
+                raise
+
+        claim = retrying(attempt, f"claiming {entry.path}")
+        target = self.spool.claim_path(entry.name, self.config.worker_id)
+        if claim is None and transient and os.path.lexists(target):
+            return Claim(entry.name, target, self.config.worker_id, entry.mtime)
+        return claim
 
     def _accept(self, claim: Claim) -> _Job | None:
         """Validate a fresh claim. Bad input is answered and archived here; None means done."""
         claimed_at = time.time()
         try:
-            request = self.spool.load(claim)
+            request = retrying(lambda: self.spool.load(claim), f"reading {claim.path}")
         except ClaimLost as exc:
             log.warning("%s", exc)
             self.heartbeat.count(requests_abandoned=1)
             return None
         except MessageError as exc:
             log.warning("rejected %s: %s", claim.name, exc.message)
-            self.spool.reject(claim, exc, self.config.worker_id)
+            retrying(lambda e=exc: self.spool.reject(claim, e, self.config.worker_id), f"rejecting {claim.path}")
             self._count_failure(exc.code)
             self.heartbeat.update(last_error=f"{claim.name}: {exc.message}")
             return None
@@ -336,9 +424,10 @@ class Worker:
             # owns it now. A worker publishes only for claims it still holds.
             log.warning("%d claims were taken back during generation; not publishing them", lost)
             self.heartbeat.count(requests_abandoned=lost)
-        self.spool.publish_results([r for _, r in held])
+        retrying(lambda: self.spool.publish_results([r for _, r in held]), "publishing results")
         for job, result in held:
-            self.spool.finish(job.claim, rejected=not result.ok and result.error.code.rejects_input)
+            rejected = not result.ok and result.error.code.rejects_input
+            retrying(lambda j=job, r=rejected: self.spool.finish(j.claim, rejected=r), f"archiving {job.claim.path}")
             if result.ok:
                 samples = sum(len(s) for s in result.texts)
                 tokens = sum(len(t) for per_prompt in result.token_ids for t in per_prompt)
@@ -388,7 +477,13 @@ class Worker:
         try:
             self.metrics.write(self.heartbeat.status.counters, self.tally)
         except OSError as exc:  # monitoring must not stop the service
-            log.warning("metrics textfile not written: %s", exc)
+            if str(exc) != self._metrics_failure:  # once per failure, not at every loop turn
+                log.warning("metrics textfile %s not written: %s; serving on", self.metrics.path, exc)
+            self._metrics_failure = str(exc)
+            return
+        if self._metrics_failure is not None:
+            log.info("metrics textfile %s written again", self.metrics.path)
+            self._metrics_failure = None
 
     def _engine_state(self, state: WorkerState) -> None:
         """Engines report loading/reloading/generating; mirror it in the status and systemd."""
