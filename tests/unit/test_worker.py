@@ -274,6 +274,29 @@ def test_engine_states_reach_the_status_file_through_the_declared_listener(spool
     wait_for(lambda: handle.worker.heartbeat.status.state == "idle", what="the idle state after the batch")
 
 
+def test_a_worker_is_busy_in_its_status_file_from_its_first_claim(
+    spool, make_request, run_worker, wait_for, monkeypatch
+):  # noqa: E501
+    """Peers read "idle" as free to serve a part of a call (the fan-out rule): from its first claim
+    on, a worker's status file no longer says so."""
+    from protocol.spool import Spool as SpoolClass
+
+    states_at_claim = []
+    real_claim = SpoolClass.claim
+
+    def claim(self, entry, worker_id):
+        status = next(s for _, s in self.statuses() if s is not None and s.worker_id == worker_id)
+        states_at_claim.append(status.state)
+        return real_claim(self, entry, worker_id)
+
+    monkeypatch.setattr(SpoolClass, "claim", claim)
+    run_worker(spool)
+    wait_for(lambda: spool.live_workers(), what="the worker's first status file")
+    spool.submit(make_request("r1"))
+    wait_results(spool, wait_for, ["r1"])
+    assert states_at_claim == ["generating"]
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from protocol import exit_codes
 from protocol.messages import ErrorCode, MessageError, Request, Result, Timings, WorkerState
-from protocol.spool import Claim, ClaimLost, Spool, split_claimed_name
+from protocol.spool import Claim, ClaimLost, Spool, id_from_name, split_claimed_name
 from protocol.watch import Waker
 
 from .engines import Completion, Engine
@@ -293,6 +293,10 @@ class Worker:
 
     def _serve_claims(self, entries, claims: list[Claim]) -> int | None:
         jobs: list[_Job] = []
+        if entries:
+            # Busy from the first claim on: a peer that reads "idle" leaves us parts of a call
+            # (scheduling's fan-out rule) that we would then serve only after this batch.
+            self.heartbeat.set_state("generating", id_from_name(entries[0].name))
         for entry in entries:
             try:
                 claim = self._claim(entry)
