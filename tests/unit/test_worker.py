@@ -276,7 +276,7 @@ def test_engine_states_reach_the_status_file_through_the_declared_listener(spool
 
 def test_a_worker_is_busy_in_its_status_file_from_its_first_claim(
     spool, make_request, run_worker, wait_for, monkeypatch
-):  # noqa: E501
+):
     """Peers read "idle" as free to serve a part of a call (the fan-out rule): from its first claim
     on, a worker's status file no longer says so."""
     from protocol.spool import Spool as SpoolClass
