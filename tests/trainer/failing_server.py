@@ -21,9 +21,11 @@ class FailingSpoolServer(SpoolServer):
         super().__init__(spool_dir, cfg, worker_id=worker_id)
         self.fail = fail
         self.echo = echo
-        self.failed: list[str] = []  # ids answered with an error, in order
+        self.answered: list[str] = []  # ids answered, in order, each before its result is published
+        self.failed: list[str] = []  # those answered with an error
 
     def serve(self, request: Request) -> Result:
+        self.answered.append(request.request_id)
         code = self.fail(request)
         if code is not None:
             self.failed.append(request.request_id)

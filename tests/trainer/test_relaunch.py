@@ -50,7 +50,7 @@ def test_an_engine_error_is_sent_again_and_the_run_trains_as_without_it(warm_mod
     finally:
         server.stop()
     (failed,) = server.failed
-    assert failed.startswith("flaky-train-s00000001-") and f"{failed}-r1" in server.served
+    assert failed.startswith("flaky-train-s00000001-") and f"{failed}-r1" in server.answered
     assert step_rows(flaky.run_dir) == step_rows(clean.run_dir)
 
 
@@ -86,5 +86,5 @@ def test_a_permanent_error_stops_the_run_and_the_relaunch_goes_on_once_its_cause
     finally:
         server.stop()
     assert relaunched.returncode == exit_codes.OK, relaunched.stderr[-3000:]
-    assert server.failed == [refused] and f"{refused}-r1" in server.served
+    assert server.failed == [refused] and f"{refused}-r1" in server.answered
     assert [row["step"] for row in step_rows(tmp_path / "run")] == [1, 2, 3]

@@ -213,7 +213,7 @@ def test_an_engine_error_is_sent_again_under_a_fresh_id_and_the_call_goes_on(tmp
     assert [[s.text for s in g.samples] for g in groups] == [[p[:4]] * 4 for p in prompts]
     (failed,) = server.failed
     assert failed in ticket.request_ids
-    assert sorted(server.served) == sorted([*ticket.request_ids, f"{failed}-r1"])  # the same request, a fresh id
+    assert sorted(server.answered) == sorted([*ticket.request_ids, f"{failed}-r1"])  # the same request, a fresh id
 
 
 def test_transient_errors_are_sent_again_at_most_error_retries_times_and_a_relaunch_tries_again(tmp_path, servers):
@@ -241,7 +241,7 @@ def test_transient_errors_are_sent_again_at_most_error_retries_times_and_a_relau
         assert [g.samples[0].text for g in relaunch.collect(restored)] == ["1+1="]
     finally:
         relaunch.close()
-    assert healthy.served == [f"{request_id}-r3"]  # the old errors are walked past, not sent again
+    assert healthy.answered == [f"{request_id}-r3"]  # the old errors are walked past, not sent again
 
 
 @pytest.mark.parametrize("code", [ErrorCode.ENGINE_ERROR, ErrorCode.WEIGHTS_NOT_ALLOWED])
@@ -268,7 +268,7 @@ def test_a_relaunch_sends_again_what_an_earlier_launch_got_an_error_for(tmp_path
         assert [g.samples[0].text for g in relaunch.collect(again)] == ["1+1="]
     finally:
         relaunch.close()
-    assert healthy.served == [f"{ticket.request_ids[0]}-r1"]
+    assert healthy.answered == [f"{ticket.request_ids[0]}-r1"]
 
 
 def test_a_permanent_error_stops_the_call_naming_the_request_the_error_and_what_to_do(tmp_path, servers):
