@@ -55,7 +55,11 @@ def test_an_engine_killed_mid_call_costs_one_resend_and_the_run_finishes(model, 
     ours = {
         "run": {"dir": run_dir, "seed": 5},
         "model": {"path": model},
-        "rollout": {"rollout_venv": ROLLOUT_VENV, "worker_args": ["--max-model-len", "64"]},
+        # Every request names the starting weights the worker preloaded (one publish, at the
+        # end): its calls never reload weights, so the call that hangs in the frozen engine is a
+        # generation.
+        "rollout": {"rollout_venv": ROLLOUT_VENV, "worker_args": ["--max-model-len", "64"], "max_policy_lag": STEPS},
+        "publish": {"every": STEPS},
         "train": {"steps": STEPS},
         "tripwire": {"armed": False},  # the untrained tiny model answers at the length cap, which it flags
     }

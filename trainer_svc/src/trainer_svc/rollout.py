@@ -322,6 +322,8 @@ class RolloutService:
                 awaited[original] = resend_id(original, tries[original])
                 again.append(msgspec.structs.replace(requests[original], request_id=awaited[original]))
             self._send(again)
+        for original, last in tries.items():  # answered: forget them, or a long run's record grows without end
+            self.sent.difference_update([original, *(resend_id(original, k) for k in range(1, last + 1))])
         return [g for i in ticket.request_ids for g in to_groups(results[i], ticket.weights_step)]
 
     def _wait(self, ticket: Ticket, request_ids: list[str]) -> dict[str, Result]:
