@@ -61,6 +61,7 @@ BAD = {
         "arithmetic_high must be >= data.arithmetic_low",
     ),
     "unknown arithmetic op": (MINIMAL + '[data]\narithmetic_ops = "+/"\n', "`$.data`", "data.arithmetic_ops must be"),
+    "error_retries out of range": (MINIMAL + "[rollout]\nerror_retries = -1\n", "`$.rollout.error_retries`", ">= 0"),
     "negative reward shaping": (MINIMAL + "[reward]\noverlong_weight = -1.0\n", "`$.reward.overlong_weight`", ">= 0"),
     "missing [run]": ('[model]\npath = "model"\n', "`run`", "missing required field"),
     "missing run.dir": ('[run]\nseed = 1\n[model]\npath = "model"\n', "`dir`", "missing required field"),
@@ -147,6 +148,37 @@ def test_smoke_shape_is_small_and_runs_elsewhere(tmp_path, monkeypatch):
     assert smoke.train.lr == full.train.lr and smoke.run.seed == full.run.seed
     # and it is still a valid config
     assert msgspec.convert(msgspec.to_builtins(smoke), Config) == smoke
+
+
+def test_smoke_shape_has_directories_of_its_own_where_the_run_names_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = MINIMAL + '[publish]\ndir = "/srv/weights/run"\n[rollout]\nspool = "/srv/spool"\n'
+    smoke = load(write(tmp_path, text), smoke=True)
+    assert smoke.run_dir == tmp_path / "run-smoke"
+    assert smoke.publish_dir == Path("/srv/weights/run-smoke")  # never the run's published steps
+    assert smoke.spool_dir == Path("/srv/spool-smoke")  # its own worker serves its own spool
+    inside = MINIMAL + f'[publish]\ndir = "{tmp_path}/run/weights"\n'
+    assert load(write(tmp_path, inside), smoke=True).publish_dir == tmp_path / "run-smoke" / "weights"
+
+
+@pytest.mark.parametrize("spool", ["", "/srv/spool"])
+def test_smoke_shape_without_a_worker_of_its_own_uses_the_workers_spool(tmp_path, monkeypatch, spool):
+    monkeypatch.chdir(tmp_path)
+    full = load(write(tmp_path, MINIMAL + f'[rollout]\nspawn = false\nspool = "{spool}"\n'))
+    smoke = smoke_shape(full)
+    assert smoke.spool_dir == full.spool_dir and smoke.run_dir == tmp_path / "run-smoke"
+
+
+@pytest.mark.parametrize(
+    "section, clash",
+    [('[publish]\ndir = "run-smoke"\n', "publish.dir"), ('[rollout]\nspool = "run-smoke/spool"\n', "rollout.spool")],
+)
+def test_smoke_shape_refuses_directories_it_would_share_with_the_run(tmp_path, monkeypatch, section, clash):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, MINIMAL + section), smoke=True)
+    message = str(info.value)
+    assert "--smoke" in message and clash in message and str(tmp_path / "run-smoke") in message
 
 
 def test_smoke_shape_keeps_a_grad_accum_of_one(tmp_path, monkeypatch):

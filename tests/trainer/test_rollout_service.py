@@ -1,6 +1,8 @@
 """The trainer's side of the spool with real echo workers (no model: the spool mechanics alone):
 fan-out over the live workers, calls taken over by a relaunch without sending anything twice,
-and a timeout that says where each request stands."""
+a timeout that says where each request stands, and error results: a transient one is sent again
+under a fresh id (a bounded number of times), a permanent one stops the call with what to do, and
+a relaunch never stops on an error result an earlier launch got."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import ROLLOUT_SVC, make_config
+from failing_server import FailingSpoolServer, first
 
-from protocol.messages import Result
+from protocol.messages import ErrorCode, Result
 from protocol.spool import Spool
-from trainer_svc.rollout import RolloutService, RolloutUnavailable, Ticket, WeightsRef
+from trainer_svc.rollout import RolloutFailed, RolloutService, RolloutUnavailable, Ticket, WeightsRef
 
 WEIGHTS = WeightsRef("/models/none", None, 3)  # the echo engine loads nothing
 
@@ -179,3 +182,105 @@ def test_a_call_not_answered_in_time_names_each_request_and_its_state(tmp_path, 
     assert "step 5 (train, attempt 1)" in message and "rollout.timeout_s" in message
     assert f"{claimed_id}: claimed by echo-other" in message
     assert f"{done_id}: done" in message and f"{queued_id}: queued" in message
+
+
+@pytest.fixture
+def servers(tmp_path):
+    """Start test workers on the spool (FailingSpoolServer, echoing); all stopped at teardown."""
+    started: list[FailingSpoolServer] = []
+
+    def start(fail, worker_id: str = "failing") -> FailingSpoolServer:
+        server = FailingSpoolServer(tmp_path / "spool", None, fail, echo=True, worker_id=worker_id)
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.is_alive():
+            server.stop()
+
+
+def test_an_engine_error_is_sent_again_under_a_fresh_id_and_the_call_goes_on(tmp_path, servers):
+    server = servers(first(1, ErrorCode.ENGINE_ERROR))
+    service = RolloutService(service_config(tmp_path, fan_out=2))
+    try:
+        prompts = [f"{i}+{i}={i}{i}" for i in range(4)]
+        ticket = service.submit(prompts, weights=WEIGHTS, step=2, attempt=0, seed=1)
+        groups = service.collect(ticket)
+    finally:
+        service.close()
+    assert [[s.text for s in g.samples] for g in groups] == [[p[:4]] * 4 for p in prompts]
+    (failed,) = server.failed
+    assert failed in ticket.request_ids
+    assert sorted(server.answered) == sorted([*ticket.request_ids, f"{failed}-r1"])  # the same request, a fresh id
+
+
+def test_transient_errors_are_sent_again_at_most_error_retries_times_and_a_relaunch_tries_again(tmp_path, servers):
+    cfg = service_config(tmp_path, error_retries=2)
+    failing = servers(lambda request: ErrorCode.ENGINE_ERROR)
+    first_launch = RolloutService(cfg)
+    try:
+        ticket = first_launch.submit(["1+1="], weights=WEIGHTS, step=3, attempt=0, seed=1)
+        with pytest.raises(RolloutUnavailable) as info:
+            first_launch.collect(ticket)
+    finally:
+        first_launch.close()
+    (request_id,) = ticket.request_ids
+    assert failing.failed == [request_id, f"{request_id}-r1", f"{request_id}-r2"]
+    message = str(info.value)
+    assert f"{request_id}-r2" in message and "engine_error" in message and "3 times" in message
+    assert "rollout.error_retries" in message and "relaunch" in message
+    failing.stop()
+
+    healthy = servers(lambda request: None, worker_id="healthy")
+    relaunch = RolloutService(cfg)  # from a checkpoint that recorded the call
+    try:
+        restored = Ticket.from_state(ticket.state_dict())
+        relaunch.restore(restored)
+        assert [g.samples[0].text for g in relaunch.collect(restored)] == ["1+1="]
+    finally:
+        relaunch.close()
+    assert healthy.answered == [f"{request_id}-r3"]  # the old errors are walked past, not sent again
+
+
+@pytest.mark.parametrize("code", [ErrorCode.ENGINE_ERROR, ErrorCode.WEIGHTS_NOT_ALLOWED])
+def test_a_relaunch_sends_again_what_an_earlier_launch_got_an_error_for(tmp_path, servers, code):
+    cfg = service_config(tmp_path)
+    failing = servers(first(1, code))
+    first_launch = RolloutService(cfg)
+    try:
+        ticket = first_launch.submit(["1+1="], weights=WEIGHTS, step=3, attempt=0, seed=1)
+        deadline = time.monotonic() + 30
+        while not failing.failed:  # the earlier launch's request failed; that launch then exited
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        first_launch.close()
+    failing.stop()
+
+    # The cause is gone now (the engine restarted; the worker's --allowed-root fixed).
+    healthy = servers(lambda request: None, worker_id="healthy")
+    relaunch = RolloutService(cfg)
+    try:
+        again = relaunch.submit(["1+1="], weights=WEIGHTS, step=3, attempt=0, seed=1)  # the same call, redone
+        assert again == ticket
+        assert [g.samples[0].text for g in relaunch.collect(again)] == ["1+1="]
+    finally:
+        relaunch.close()
+    assert healthy.answered == [f"{ticket.request_ids[0]}-r1"]
+
+
+def test_a_permanent_error_stops_the_call_naming_the_request_the_error_and_what_to_do(tmp_path, servers):
+    failing = servers(lambda request: ErrorCode.WEIGHTS_NOT_ALLOWED)
+    service = RolloutService(service_config(tmp_path))
+    try:
+        ticket = service.submit(["1+1="], weights=WEIGHTS, step=4, attempt=0, seed=1)
+        with pytest.raises(RolloutFailed) as info:
+            service.collect(ticket)
+    finally:
+        service.close()
+    assert failing.failed == list(ticket.request_ids)  # never sent again: it would fail the same way
+    message = str(info.value)
+    assert ticket.request_ids[0] in message and "weights_not_allowed made by the test" in message
+    assert "permanent" in message and "--allowed-root" in message and "relaunch" in message

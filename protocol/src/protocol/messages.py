@@ -60,7 +60,7 @@ class ErrorCode(str, enum.Enum):
     WEIGHTS_INVALID = "weights_invalid"  # weights_dir lacks config or safetensors, or is corrupt
     WEIGHTS_NOT_ALLOWED = "weights_not_allowed"  # weights_dir outside the worker's allowed roots
     PROMPT_TOO_LONG = "prompt_too_long"  # a prompt exceeds what the engine accepts
-    ENGINE_ERROR = "engine_error"  # the engine raised while serving a valid request
+    ENGINE_ERROR = "engine_error"  # the engine raised serving a valid request (crashed, out of memory, process gone)
 
     @property
     def rejects_input(self) -> bool:
@@ -68,6 +68,14 @@ class ErrorCode(str, enum.Enum):
         its file is kept in bad/. A valid request that failed (deadline_expired, engine_error)
         is archived in done/ like a served one."""
         return self not in (ErrorCode.DEADLINE_EXPIRED, ErrorCode.ENGINE_ERROR)
+
+    @property
+    def transient(self) -> bool:
+        """A valid request that failed for a reason of the moment (the engine crashed, ran out of
+        memory or lost its process; the deadline passed): the same request sent again may
+        succeed. Every other code is permanent: sent again unchanged, it fails again, until the
+        request, its weights or the worker's options change."""
+        return self in (ErrorCode.DEADLINE_EXPIRED, ErrorCode.ENGINE_ERROR)
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

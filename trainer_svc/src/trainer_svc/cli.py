@@ -62,11 +62,19 @@ def check_before_work(cfg, *, need_model: bool = True) -> None:
 @app.command()
 def train(
     config: ConfigArg,
-    smoke: Annotated[bool, typer.Option(help="A tiny shape of the same run (a few small steps).")] = False,
+    smoke: Annotated[
+        bool, typer.Option(help="A tiny shape of the same run (a few small steps), in directories of its own.")
+    ] = False,
 ) -> None:
     """Run GRPO; relaunching with the same run directory resumes from its newest checkpoint."""
     _setup_logging()
     cfg = _load(config, smoke)
+    if smoke:
+        shared = "" if cfg.rollout.spawn else " (the run's: its workers serve it)"
+        typer.echo(
+            f"smoke run: run directory {cfg.run_dir}, published weights {cfg.publish_dir}, spool {cfg.spool_dir}"
+            f"{shared}; the run's own files are not touched"
+        )
     check_before_work(cfg)
     from .data import DataError
     from .gates import GateRefused, check_config
@@ -80,8 +88,10 @@ def train(
         raise _fail(exit_codes.GATE_REFUSED, str(exc)) from None
     except DataError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
-    except (RolloutUnavailable, RolloutFailed) as exc:
+    except RolloutUnavailable as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help
+        raise _fail(exit_codes.USAGE, str(exc)) from None
     except OSError as exc:
         from .checkpoint import CheckpointWriteFailed
 
@@ -153,8 +163,10 @@ def band(config: ConfigArg) -> None:
 
     try:
         report = run_band(cfg)
-    except (RolloutUnavailable, RolloutFailed) as exc:
+    except RolloutUnavailable as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help
+        raise _fail(exit_codes.USAGE, str(exc)) from None
     counts = report["counts"]
     typer.echo(
         f"{report['rows']} prompts in the band ({counts['never']} never solved, {counts['always']} always); "

@@ -90,6 +90,10 @@ class RolloutConfig(Struct):
     # Spares left over are not trained on.
     spare_prompts: NonNegative = 0
     timeout_s: PositiveFloat = 600.0  # longest wait for one sampling call's results
+    # A request that fails for a reason of the moment (engine_error: the engine crashed, ran out
+    # of memory or lost its process) is sent again under a fresh id, asking the same, at most this
+    # many times per request and launch; 0: the first such error stops the run (exit 69).
+    error_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 3
     no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
     # One GPU for both: the spawned worker shares training rank 0's GPU, takes at most
     # colocate_gpu_memory of it, and sleeps (weights and KV cache freed) while the trainer steps.
@@ -287,13 +291,28 @@ def _resolve_paths(config: Config) -> Config:
 
 
 def smoke_shape(config: Config) -> Config:
-    """`--smoke`: the same run, tiny: a few small steps, to check a setup end to end."""
-    return msgspec.structs.replace(
+    """`--smoke`: the same run, tiny: a few small steps, to check a setup end to end.
+
+    It never touches the run's files: it has a run directory of its own (`<run.dir>-smoke`), its
+    own published weights (`<publish.dir>-smoke`; a publish.dir inside run.dir moves into the
+    smoke's) and, spawning its own worker, its own spool the same way. With rollout.spawn = false
+    it uses the run's spool, where the workers are; its request ids start with its own run
+    directory's name. A smoke directory that would be, hold or lie in one of the run's is refused."""
+    run_dir = config.run_dir
+    smoke_dir = run_dir.with_name(run_dir.name + "-smoke")
+
+    def own(path: Path) -> Path:
+        if path.is_relative_to(run_dir):
+            return smoke_dir / path.relative_to(run_dir)
+        return path.with_name(path.name + "-smoke")
+
+    spool = str(config.spool_dir)  # without a worker of its own: the workers' spool
+    if config.rollout.spawn:
+        spool = str(own(config.spool_dir)) if config.rollout.spool else ""
+    smoke = msgspec.structs.replace(
         config,
-        run=msgspec.structs.replace(
-            config.run, dir=str(Path(config.run.dir).with_name(Path(config.run.dir).name + "-smoke"))
-        ),
-        rollout=msgspec.structs.replace(config.rollout, prompts_per_step=4, samples_per_prompt=4),
+        run=msgspec.structs.replace(config.run, dir=str(smoke_dir)),
+        rollout=msgspec.structs.replace(config.rollout, spool=spool, prompts_per_step=4, samples_per_prompt=4),
         train=msgspec.structs.replace(
             config.train,
             steps=3,
@@ -301,9 +320,29 @@ def smoke_shape(config: Config) -> Config:
             updates_per_batch=min(config.train.updates_per_batch, 2),
             warmup_steps=0,
         ),
-        publish=msgspec.structs.replace(config.publish, every=1),
+        publish=msgspec.structs.replace(
+            config.publish, every=1, dir=str(own(config.publish_dir)) if config.publish.dir else ""
+        ),
         checkpoint=msgspec.structs.replace(config.checkpoint, every=1),
     )
+    _check_apart(config, smoke)
+    return smoke
+
+
+def _check_apart(config: Config, smoke: Config) -> None:
+    """Refuse a smoke directory that is, holds or lies in one of the run's directories."""
+    theirs = {"run.dir": config.run_dir, "publish.dir": config.publish_dir, "rollout.spool": config.spool_dir}
+    ours = {"run directory": smoke.run_dir, "published weights": smoke.publish_dir}
+    if config.rollout.spawn:
+        ours["spool"] = smoke.spool_dir
+    for what, mine in ours.items():
+        for key, path in theirs.items():
+            if mine.is_relative_to(path) or path.is_relative_to(mine):
+                raise ConfigError(
+                    f"--smoke would write its {what} into {mine}, which is or shares a directory with the run's {key} "
+                    f"({path}); a smoke run never touches the run's files. Give the run a {key} apart from "
+                    f"{mine} (the smoke run's directories are named after the run's, ending in -smoke)"
+                )
 
 
 def dump(config: Config) -> bytes:

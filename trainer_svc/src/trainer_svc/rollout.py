@@ -16,6 +16,18 @@ request asks (weights and their content id, prompts, seed, sampling settings). T
 made again (a relaunch redoing a step) names the same requests, so `submit` and `restore` send
 only those the spool has never seen and use the results already there: nothing is sent twice.
 
+Error results. A failed request is sent again, asking exactly the same (same seed: the run's
+samples do not depend on the failure), under the next id of its chain `<id>-r1`, `<id>-r2`...:
+- transient errors (ErrorCode.transient: the engine crashed, ran out of memory, lost its
+  process) at most `rollout.error_retries` times per request and launch, then the call stops
+  (RolloutUnavailable, exit 69: relaunch);
+- permanent errors (a bad request, weights refused) stop the call at once (RolloutFailed, exit 2),
+  naming the request, the error and what to change;
+- an error result of a request an earlier launch sent is always sent again and does not count:
+  its cause may be gone (the engine restarted, the worker's options fixed), so a relaunch never
+  stops on an old result. The chain ids are deterministic, so a relaunch walks past the errors
+  already in the spool and uses or awaits the newest try instead of sending another.
+
 A dead spawned worker, or no live worker at all, is an error within seconds, never a hang; so
 is a spawned worker whose process lives but whose heartbeat stood still for its lease (frozen),
 which is then stopped. A call that is not answered within `rollout.timeout_s` is an error naming
@@ -59,7 +71,8 @@ class RolloutUnavailable(RuntimeError):
 
 
 class RolloutFailed(RuntimeError):
-    """A worker answered with an error result."""
+    """A worker refused a request for good (a permanent error): it fails again, sent again
+    unchanged, until what the message names changes."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +174,7 @@ class RolloutService:
         self.log_path = cfg.run_dir / "rollout-worker.log"
         self.worker_id = f"{_id_part(cfg.run_dir.name[:40])}-rollout"
         self.seen_live = False  # the spawned worker's heartbeat was seen fresh at least once
+        self.sent: set[str] = set()  # ids this launch submitted: only their failures are this launch's
         self.client = SpoolClient(cfg.spool_dir, no_worker_grace_s=cfg.rollout.no_worker_grace_s)
         if cfg.rollout.spawn:
             self._stop_orphan()
@@ -278,30 +292,73 @@ class RolloutService:
         )
 
     def collect(self, ticket: Ticket) -> list[Group]:
-        """The groups of a submitted call, in prompt order, once every request has its result."""
+        """The groups of a submitted call, in prompt order, once every request has its result. A
+        failed request is sent again or stops the call, as the module docstring says."""
+        requests = dict(zip(ticket.request_ids, self._requests(ticket), strict=True))
+        awaited = {i: i for i in ticket.request_ids}  # the ticket's id -> the try of it awaited now
+        tries = dict.fromkeys(ticket.request_ids, 0)  # position in the chain of the try awaited
+        resent = dict.fromkeys(ticket.request_ids, 0)  # tries this launch sent after an error of its own
+        results: dict[str, Result] = {}
+        while len(results) < len(ticket.request_ids):
+            pending = [i for i in ticket.request_ids if i not in results]
+            found = self._wait(ticket, [awaited[i] for i in pending])
+            again = []
+            for original in pending:
+                result = found[awaited[original]]
+                if result.ok:
+                    results[original] = result
+                    continue
+                if awaited[original] in self.sent:  # a failure of this launch's own request
+                    self._check_retry(awaited[original], result, tries[original], resent[original])
+                    resent[original] += 1
+                else:
+                    log.warning(
+                        "%s, sent by an earlier launch, failed (%s: %s); sending it again",
+                        awaited[original],
+                        result.error.code.value,
+                        result.error.message,
+                    )
+                tries[original] += 1
+                awaited[original] = resend_id(original, tries[original])
+                again.append(msgspec.structs.replace(requests[original], request_id=awaited[original]))
+            self._send(again)
+        for original, last in tries.items():  # answered: forget them, or a long run's record grows without end
+            self.sent.difference_update([original, *(resend_id(original, k) for k in range(1, last + 1))])
+        return [g for i in ticket.request_ids for g in to_groups(results[i], ticket.weights_step)]
+
+    def _wait(self, ticket: Ticket, request_ids: list[str]) -> dict[str, Result]:
         try:
-            results = self.client.wait(
-                list(ticket.request_ids), timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker
-            )
+            return self.client.wait(request_ids, timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker)
         except ResultTimeout:
             raise RolloutUnavailable(
                 f"step {ticket.step} ({ticket.tag}, attempt {ticket.attempt}) has no complete answer after "
                 f"{self.cfg.rollout.timeout_s:.0f} s (rollout.timeout_s): "
-                f"{describe_requests(self.client.spool, list(ticket.request_ids))}. "
+                f"{describe_requests(self.client.spool, request_ids)}. "
                 f"`spoolctl stats -s {self.cfg.spool_dir}` shows what the workers do"
             ) from None
         except NoLiveWorker as exc:
             self._check_worker()  # a dead spawned worker is the better explanation
             raise RolloutUnavailable(str(exc)) from None
-        groups = []
-        for request_id in ticket.request_ids:
-            result = results[request_id]
-            if not result.ok:
-                raise RolloutFailed(
-                    f"rollout request {request_id} failed: {result.error.code.value}: {result.error.message}"
-                )
-            groups += to_groups(result, ticket.weights_step)
-        return groups
+
+    def _check_retry(self, request_id: str, result: Result, tries: int, resent: int) -> None:
+        """Raise unless this launch may send its failed request `request_id` again."""
+        error = result.error
+        worker = f" (worker {result.worker_id})" if result.worker_id else ""
+        if not error.code.transient:
+            raise RolloutFailed(
+                f"rollout request {request_id} was refused{worker}: {error.code.value}: {error.message}. "
+                "This error is permanent: sent again unchanged, the request fails again. Change what the message "
+                "names (the [rollout] or [model] settings, the weights, or the worker's options such as "
+                "--allowed-root or --max-model-len), then relaunch: the relaunch sends it again under a fresh id"
+            )
+        if resent >= self.cfg.rollout.error_retries:
+            where = f"; see {self.log_path}" if self.proc is not None else ""
+            raise RolloutUnavailable(
+                f"rollout request {request_id} failed{worker}: {error.code.value}: {error.message}. It failed "
+                f"{tries + 1} times, {resent + 1} of them in this launch, which sends a failed request again at most "
+                f"rollout.error_retries = {self.cfg.rollout.error_retries} times{where}. Relaunch to try again "
+                "(the relaunch sends it again under a fresh id), or raise rollout.error_retries"
+            )
 
     def sample(
         self,
@@ -357,10 +414,16 @@ class RolloutService:
         missing = [r for r in requests if not spool.locate(r.request_id, claimed_names=claimed)]
         if missing:
             self.client.submit_many(missing)
+            self.sent.update(r.request_id for r in missing)
         if len(missing) < len(requests):
             log.info(
                 "%d of %d requests were already in the spool; using them", len(requests) - len(missing), len(requests)
             )
+
+
+def resend_id(request_id: str, tries: int) -> str:
+    """The id under which a failed request is sent for the `tries`-th time again."""
+    return f"{request_id}-r{tries}"
 
 
 def to_groups(result: Result, weights_step: int = 0) -> list[Group]:
