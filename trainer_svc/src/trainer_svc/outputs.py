@@ -75,7 +75,7 @@ class MetricsLog:
         if rows and rows[-1] is None:  # torn by a crash mid-append: its step is redone
             rows.pop()
             lines.pop()
-        damaged = [number for number, (line, row) in enumerate(zip(lines, rows), 1) if row is None and line.strip()]
+        damaged = [n for n, (line, row) in enumerate(zip(lines, rows, strict=True), 1) if row is None and line.strip()]
         kept = [row for row in rows if row is not None and row["step"] <= resumed_step]
         if checkpoint_row is not None and not any(row["step"] == resumed_step for row in kept):
             kept.append(checkpoint_row)
