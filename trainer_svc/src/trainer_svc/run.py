@@ -171,7 +171,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sampler.close()  # nothing left to sample
         sampler = None
     sync = WeightSync(cfg, dist_info)
-    weights = sync.resume(policy.model, state.step)
+    weights = sync.resume(policy.model, state.step, state.rollout_weights, latest.path if latest else None)
     return Run(
         cfg=cfg,
         stage=stage,
@@ -186,7 +186,9 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sync=sync,
         sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
-        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step) if dist_info.is_main else Outputs.silent(),
+        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row)
+        if dist_info.is_main
+        else Outputs.silent(),
         banner=banner,
         stop=StopRequest(cfg.run.max_wall_seconds),
     )
