@@ -26,8 +26,13 @@ STAGE_RESULT = "stage_result.json"
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Readers see the old file or the new one, never a part (and it survives a power cut)."""
+    write_bytes_atomic(path, (json.dumps(data, indent=1, default=str) + "\n").encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically (protocol.fsio.replace_atomic); a failure names it."""
     with naming(path):
-        replace_atomic(path, (json.dumps(data, indent=1, default=str) + "\n").encode())
+        replace_atomic(path, data)
 
 
 @contextmanager

@@ -155,7 +155,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier
     )
     if dist_info.is_main:  # only a config that passed the gates becomes the run's
-        (cfg.run_dir / "config.resolved.toml").write_bytes(dump(cfg))
+        outputs.write_bytes_atomic(cfg.run_dir / "config.resolved.toml", dump(cfg))
 
     policy = load_trainable(cfg, dist_info, tokenizer)
     stream = PromptStream(train_problems, seed=cfg.run.seed)
