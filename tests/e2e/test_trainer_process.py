@@ -250,9 +250,10 @@ def test_a_stop_between_two_publishes_resumes_exactly(setting):
     config = write_config(
         base / "every-2-interrupted.toml", run_dir, setting["model"], setting["spool"].root, **every_2
     )
-    stops: list[int] = []
+    stops = [0]
     while not any(stop % 2 for stop in stops):  # until one stop falls between two publishes
-        interrupt_after(config, run_dir, (stops[-1] if stops else 0) + 1, lambda p: p.send_signal(signal.SIGTERM))
+        # A signal sent once row n is written mostly lands in step n + 1: n even, after the last stop.
+        interrupt_after(config, run_dir, stops[-1] + 2, lambda proc: proc.send_signal(signal.SIGTERM))
         stops.append(len(step_rows(run_dir)))
         assert len(stops) <= 4, stops
     finished = launch(config)
@@ -280,9 +281,9 @@ def test_a_really_full_disk_stops_the_run_with_74_and_the_relaunch_takes_every_s
         config = write_config(base / "full-5mb.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
         proc = launch(config)
         assert proc.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(proc)
-        output = log_tail(proc)
-        assert "No space left on device" in output and f"({disk.path}/run/" in output, output
-        assert "Free space, then relaunch" in output and "Traceback" not in output
+        [error] = [line for line in log_tail(proc).splitlines() if line.startswith("error:")]
+        assert "No space left on device" in error and f"{disk.path}/run/" in error, error
+        assert "Free space, then relaunch" in error and "Traceback" not in log_tail(proc)
         nothing_torn(run_dir)
 
         disk.grow(256 * 2**20)
