@@ -220,3 +220,15 @@ def test_write_json_atomic_failure_keeps_the_old_file(tmp_path):
         write_json_atomic(path, circular)
     assert json.loads(path.read_text()) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["stage_result.json"]
+
+
+def test_write_json_atomic_on_a_full_disk_names_the_file_and_keeps_the_old(tmp_path):
+    with small_tmpfs(tmp_path / "disk", 1 * 2**20) as disk:
+        path = disk.path / "stage_result.json"
+        write_json_atomic(path, {"step": 1})
+        disk.fill()
+        with pytest.raises(OSError) as raised:
+            write_json_atomic(path, {"step": 2, "text": "x" * 10000})
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+        assert json.loads(path.read_text()) == {"step": 1}
+        assert sorted(p.name for p in disk.path.iterdir()) == [".filler", "stage_result.json"]
