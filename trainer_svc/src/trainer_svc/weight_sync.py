@@ -1,7 +1,7 @@
 """The weight sync: publish the policy's weights where the rollout workers load them.
 
     sync = WeightSync(cfg, dist_info)
-    weights = sync.resume(model, step, saved_ref, checkpoint)  # after a resume: what requests named then
+    weights = sync.resume(model, step, rollout_weights, checkpoint)  # after a resume: what requests named then
     if sync.due(step):
         weights = sync.publish(model, step)  # every `publish.every` steps, and at the last one
 
