@@ -1,9 +1,12 @@
 """`trainer-svc train` as a process, the way a user stops it: SIGTERM (systemd, a scheduler) or
 Ctrl-C (SIGINT to its whole process group) mid-run stops it at a step boundary with a
 checkpoint and exit 75; the relaunch resumes and finishes, and its per-step metrics equal an
-uninterrupted run's. A disk that fills while it publishes weights or saves a checkpoint stops it
-with exit 74 and a message saying what to do, leaving nothing half written; the relaunch
-resumes from the newest checkpoint.
+uninterrupted run's, also with the demo's settings (generating ahead, spare prompts, the tis
+correction, a spawned vLLM worker) and with a stop between two publishes (publish.every = 2).
+A disk that fills while it publishes weights, saves a checkpoint or appends a metrics row stops
+it with exit 74 and a message naming the file, leaving nothing half written (a file-size limit,
+and a really full tmpfs mounted by the test); once there is room the relaunch resumes from the
+newest checkpoint and takes every step exactly once.
 
 Determinism: vLLM's CPU build samples reproducibly for a seeded request. The same request
 (seed, prompts, weights) gives the same token ids and bitwise-equal logprobs from one engine
@@ -23,9 +26,11 @@ import signal
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import ServedWorker, keep_running, poll
-from run_config import SMALL_STEPS, write_run_config
+from run_config import ROLLOUT_VENV, SMALL_STEPS, merge, write_run_config
+from small_fs import small_tmpfs
 
 from protocol import exit_codes
 from protocol.spool import Spool
@@ -83,7 +88,8 @@ def setting(tmp_path_factory):
 
 def launch(config: Path, file_size_limit: int | None = None) -> subprocess.Popen:
     """`trainer-svc train CONFIG` in its own process group, output in CONFIG's .log (or a pipe
-    under a file-size limit, which would cut the log too)."""
+    under a file-size limit, which would cut the log too). A worker it spawns gets the KV cache
+    the shared worker has (the machine's memory is shared)."""
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
@@ -92,6 +98,7 @@ def launch(config: Path, file_size_limit: int | None = None) -> subprocess.Popen
     return subprocess.Popen(
         [str(TRAINER), "train", str(config)], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         start_new_session=True, preexec_fn=limit if file_size_limit else None,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
     )  # fmt: skip
 
 
@@ -192,3 +199,135 @@ def test_a_full_disk_while_saving_a_checkpoint_exits_74_and_the_relaunch_repeats
     finished = launch(config)
     assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
     assert step_rows(run_dir) == setting["expected"]
+
+
+def demo_settings() -> dict[str, dict]:
+    """configs/demo.toml's settings of how a step samples and learns (generating ahead, the
+    policy lag, spare prompts, the tis correction, the loss, the optimizer, the tripwire), on
+    SMALL_STEPS' shape."""
+    demo = msgspec.toml.decode((ROOT / "configs" / "demo.toml").read_bytes())
+    rollout = {k: demo["rollout"][k] for k in ("ahead", "max_policy_lag", "spare_prompts", "temperature")}
+    train = {k: demo["train"][k] for k in ("lr", "betas", "max_grad_norm", "grad_accum")}
+    return {"rollout": rollout, "train": train, "loss": demo["loss"], "tripwire": demo["tripwire"]}
+
+
+SPAWNED = {"spawn": True, "rollout_venv": ROLLOUT_VENV, "worker_args": ["--max-model-len", "64"]}
+
+
+def straight_rows(setting, name: str, **sections: dict) -> list[dict]:
+    """An uninterrupted run of `sections` on the shared worker: the rows a resumed run must equal."""
+    base = setting["base"]
+    config = write_config(base / f"{name}.toml", base / name, setting["model"], setting["spool"].root, **sections)
+    finished = launch(config)
+    assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+    rows = step_rows(base / name)
+    assert len(rows) == STEPS
+    return rows
+
+
+def test_the_demos_settings_with_a_spawned_worker_resume_exactly(setting):
+    demo = demo_settings()
+    assert demo["rollout"]["ahead"] >= 1 and demo["rollout"]["spare_prompts"] > 0 and demo["loss"]["correction"]
+    expected = straight_rows(setting, "demo-straight", **demo)
+    base = setting["base"]
+    run_dir = base / "demo-interrupted"
+    # Its own worker, spawned by each launch on the run's own spool: a new engine after the stop.
+    spawned = merge(demo, {"rollout": {**SPAWNED, "spool": base / "demo-spool"}})
+    config = write_config(base / "demo-interrupted.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
+    interrupt_after(config, run_dir, 1, lambda proc: proc.send_signal(signal.SIGTERM))
+    finished = launch(config)
+    assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+    assert step_rows(run_dir) == expected
+
+
+def test_a_stop_between_two_publishes_resumes_exactly(setting):
+    """With publish.every = 2 the checkpoint of an odd step holds newer weights than the requests
+    name; the relaunch must sample from the published ones, as the uninterrupted run does."""
+    every_2 = {"publish": {"every": 2}, "rollout": {"max_policy_lag": 1}}
+    expected = straight_rows(setting, "every-2-straight", **every_2)
+    base = setting["base"]
+    run_dir = base / "every-2-interrupted"
+    config = write_config(
+        base / "every-2-interrupted.toml", run_dir, setting["model"], setting["spool"].root, **every_2
+    )
+    stops = [0]
+    while not any(stop % 2 for stop in stops):  # until one stop falls between two publishes
+        # A signal sent once row n is written mostly lands in step n + 1: n even, after the last stop.
+        interrupt_after(config, run_dir, stops[-1] + 2, lambda proc: proc.send_signal(signal.SIGTERM))
+        stops.append(len(step_rows(run_dir)))
+        assert len(stops) <= 4, stops
+    finished = launch(config)
+    assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+    assert step_rows(run_dir) == expected
+
+
+def nothing_torn(run_dir: Path) -> None:
+    """No half directory, no scratch file, and metrics.jsonl whole: rows of steps 1, 2, 3... each
+    a complete line."""
+    no_partials(run_dir)
+    assert [p.name for p in run_dir.rglob("*.tmp")] == []
+    text = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
+    assert text == "" or text.endswith("\n")
+    assert [json.loads(line)["step"] for line in text.splitlines()] == list(range(1, len(text.splitlines()) + 1))
+
+
+def test_a_really_full_disk_stops_the_run_with_74_and_the_relaunch_takes_every_step_once(setting):
+    """run_dir (weights, checkpoints, metrics, the spawned worker's log) on a 5 MB tmpfs: the
+    weights of two steps fit, a third or a checkpoint does not."""
+    base = setting["base"]
+    with small_tmpfs(base / "disk-5mb", 5 * 2**20) as disk:
+        run_dir = disk.path / "run"
+        spawned = {"rollout": {**SPAWNED, "spool": base / "full-spool"}}
+        config = write_config(base / "full-5mb.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
+        proc = launch(config)
+        assert proc.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(proc)
+        [error] = [line for line in log_tail(proc).splitlines() if line.startswith("error:")]
+        assert "No space left on device" in error and f"{disk.path}/run/" in error, error
+        assert "Free space, then relaunch" in error and "Traceback" not in log_tail(proc)
+        nothing_torn(run_dir)
+
+        disk.grow(256 * 2**20)
+        finished = launch(config)
+        assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+        nothing_torn(run_dir)
+        assert step_rows(run_dir) == setting["expected"]
+
+
+def test_a_disk_that_fills_mid_run_stops_the_metrics_whole_and_nothing_is_lost(setting):
+    """run_dir on a tmpfs filled after the first row (weights published elsewhere, checkpoints
+    only at the stops): the next metrics row cannot be written. Then the finished run relaunched
+    on a full disk: its outputs (stage result, resolved config, receipts, metrics) stay whole."""
+    base = setting["base"]
+    with small_tmpfs(base / "disk-fills", 16 * 2**20) as disk:
+        run_dir = disk.path / "run"
+        elsewhere = {"publish": {"dir": base / "fills-weights"}, "checkpoint": {"every": 1000}}
+        config = write_config(base / "fills.toml", run_dir, setting["model"], setting["spool"].root, **elsewhere)
+        proc = launch(config)
+        try:
+            seen = poll(lambda: len(step_rows(run_dir)), lambda n: n >= 1 or proc.poll() is not None, 600, 0.005)
+            assert proc.poll() is None and seen >= 1, log_tail(proc)
+            filler = disk.fill()
+            assert proc.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(proc)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        output = log_tail(proc)
+        assert f"({run_dir / 'metrics.jsonl'})" in output and "No space left on device" in output, output
+        nothing_torn(run_dir)
+        assert 1 <= len(step_rows(run_dir)) < STEPS
+
+        filler.unlink()
+        finished = launch(config)
+        assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+        assert step_rows(run_dir) == setting["expected"]
+
+        kept = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+        filler = disk.fill()
+        again = launch(config)
+        assert again.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(again)
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == kept
+        nothing_torn(run_dir)
+        filler.unlink()
+        again = launch(config)
+        assert again.wait(timeout=600) == exit_codes.OK, log_tail(again)
+        assert step_rows(run_dir) == setting["expected"]

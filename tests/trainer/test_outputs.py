@@ -1,14 +1,23 @@
-"""What a run leaves behind: metrics.jsonl (cut back to the resumed step on reopen), the
-summary of its reward curve, and JSON files replaced atomically."""
+"""What a run leaves behind: metrics.jsonl (cut back to the resumed step on reopen, atomically;
+a damaged line never stops a relaunch and is never lost), the summary of its reward curve, and
+JSON files replaced atomically."""
 
 from __future__ import annotations
 
+import errno
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from trainer_svc.outputs import METRICS, MetricsLog, read_metrics, summary, write_json_atomic
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))  # the small tmpfs shared with the other tiers
+from small_fs import small_tmpfs  # noqa: E402
 
 
 def log_steps(run_dir: Path, resumed_step: int, steps, **extra) -> None:
@@ -63,6 +72,86 @@ def test_reopen_after_a_torn_last_line(tmp_path):
     (tmp_path / METRICS).write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
     log_steps(tmp_path, 2, [3])
     assert steps_of(tmp_path) == [1, 2, 3]
+
+
+def test_reopen_after_a_torn_line_in_the_middle_keeps_the_readable_rows_and_the_original(tmp_path, caplog):
+    damaged = '{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n{"step": 4}\n'
+    (tmp_path / METRICS).write_text(damaged)
+    log_steps(tmp_path, 3, [4])  # the relaunch goes on: the checkpoint, not the log, says where the run stands
+    assert steps_of(tmp_path) == [1, 3, 4]
+    assert (tmp_path / f"{METRICS}.damaged-1").read_text() == damaged  # nothing lost
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{tmp_path / METRICS} line 2" in warning and f"{METRICS}.damaged-1" in warning
+    # a second damaged file is set aside beside the first, never over it
+    (tmp_path / METRICS).write_text('["not a row"]\n{"step": 1}\n')
+    log_steps(tmp_path, 1, [2])
+    assert steps_of(tmp_path) == [1, 2]
+    assert (tmp_path / f"{METRICS}.damaged-1").read_text() == damaged
+    assert (tmp_path / f"{METRICS}.damaged-2").read_text() == '["not a row"]\n{"step": 1}\n'
+
+
+def test_reopen_appends_the_checkpoints_row_when_the_log_lost_it(tmp_path):
+    # The checkpoint of step 3 was saved, then the disk filled before its row reached the log.
+    log_steps(tmp_path, 0, [1, 2])
+    log = MetricsLog(tmp_path, 3, checkpoint_row={"step": 3, "from": "checkpoint"})
+    log.write({"step": 4})
+    log.close()
+    assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3, "from": "checkpoint"}, {"step": 4}]
+    MetricsLog(tmp_path, 3, checkpoint_row={"step": 3, "from": "checkpoint"}).close()  # the log has it: kept
+    assert steps_of(tmp_path) == [1, 2, 3]
+
+
+REWRITE_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from pathlib import Path
+from trainer_svc.outputs import MetricsLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+try:
+    MetricsLog(Path(sys.argv[1]), 3)
+except OSError as exc:
+    print(exc.errno, exc.filename)
+    sys.exit(74)
+"""
+
+
+def test_a_write_failing_during_the_rewrite_keeps_the_history(tmp_path):
+    rows = [{"step": step, "loss": 0.123456789 * step} for step in range(1, 9)]
+    history = "".join(json.dumps(row) + "\n" for row in rows)
+    (tmp_path / METRICS).write_text(history)
+    # Resuming at step 3 rewrites the file with rows 1..3; every write past 40 bytes fails (EFBIG).
+    done = subprocess.run(
+        [sys.executable, "-c", REWRITE_UNDER_A_FILE_SIZE_LIMIT, str(tmp_path), "40"], capture_output=True, text=True
+    )
+    assert done.returncode == 74, done.stderr
+    assert (tmp_path / METRICS).read_text() == history
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS]
+    assert done.stdout.split() == [str(errno.EFBIG), str(tmp_path / METRICS)]
+
+
+def test_a_full_disk_during_the_rewrite_and_the_append_keeps_the_history(tmp_path):
+    with small_tmpfs(tmp_path / "disk", 1 * 2**20) as disk:
+        run_dir = disk.path / "run"
+        run_dir.mkdir()
+        log_steps(run_dir, 0, range(1, 6))
+        before = (run_dir / METRICS).read_text()
+        filler = disk.fill()
+        with pytest.raises(OSError) as raised:
+            MetricsLog(run_dir, 3)
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(run_dir / METRICS)
+        assert (run_dir / METRICS).read_text() == before
+        assert sorted(p.name for p in run_dir.iterdir()) == [METRICS]
+
+        log = MetricsLog(run_dir, 5)  # nothing to cut: opened without a rewrite
+        with pytest.raises(OSError) as raised:
+            log.write({"step": 6, "text": "x" * 10000})
+        log.close()
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(run_dir / METRICS)
+        assert (run_dir / METRICS).read_text() == before  # no torn row left behind
+
+        filler.unlink()
+        log_steps(run_dir, 3, [4])
+        assert steps_of(run_dir) == [1, 2, 3, 4]
 
 
 def test_read_metrics_without_a_file(tmp_path):
@@ -131,3 +220,15 @@ def test_write_json_atomic_failure_keeps_the_old_file(tmp_path):
         write_json_atomic(path, circular)
     assert json.loads(path.read_text()) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["stage_result.json"]
+
+
+def test_write_json_atomic_on_a_full_disk_names_the_file_and_keeps_the_old(tmp_path):
+    with small_tmpfs(tmp_path / "disk", 1 * 2**20) as disk:
+        path = disk.path / "stage_result.json"
+        write_json_atomic(path, {"step": 1})
+        disk.fill()
+        with pytest.raises(OSError) as raised:
+            write_json_atomic(path, {"step": 2, "text": "x" * 10000})
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+        assert json.loads(path.read_text()) == {"step": 1}
+        assert sorted(p.name for p in disk.path.iterdir()) == [".filler", "stage_result.json"]

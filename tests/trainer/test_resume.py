@@ -117,3 +117,48 @@ def test_resume_discards_weights_published_after_its_checkpoint(warm_model, tmp_
     fresh = [r["content_id"] for r in samplers[0].requests if r["attempt"] == 0][1:]
     assert planted not in fresh  # the planted copies were discarded, then published anew
     assert step_rows(cfg.run_dir) == expected
+
+
+def first_samplings(samplers: list) -> list[tuple[int, str]]:
+    """(step, weights_dir) of each step's first sampling, over all launches, in order."""
+    return [(r["step"], r["weights_dir"]) for s in samplers for r in s.requests if r["attempt"] == 0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ahead, lose_published", [(0, False), (1, False), (0, True)])
+def test_a_stop_between_two_publishes_resumes_from_the_weights_the_rollouts_used(
+    warm_model, tmp_path, ahead, lose_published
+):
+    """With publish.every = 2 a checkpoint taken between two publishes holds newer weights than
+    the rollouts sample from; the resumed run must sample from the published ones, as the
+    uninterrupted run does, not from the checkpoint's own; also when the publish directory lost
+    them between launches (a tmpfs emptied by a reboot): the checkpoint keeps a copy."""
+    settings = dict(train={"steps": 5}, publish={"every": 2}, rollout={"ahead": ahead, "max_policy_lag": 1 + ahead})
+    straight = make_config(tmp_path / "straight", warm_model, **settings)
+    straight_samplers: list = []
+    assert run(straight, straight_samplers) == exit_codes.OK
+    expected = step_rows(straight.run_dir)
+
+    # One step a launch: launches stop after steps 1 and 3 too, each between two publishes.
+    interrupted = make_config(tmp_path / "interrupted", warm_model, run={"max_wall_seconds": 1e-6}, **settings)
+    samplers: list = []
+    codes = []
+    for _ in range(5):
+        codes.append(run(interrupted, samplers))
+        if lose_published:
+            shutil.rmtree(interrupted.run_dir / "weights", ignore_errors=True)
+    assert codes == [exit_codes.RESUMABLE_STOP] * 4 + [exit_codes.OK]
+
+    def named(found, run_dir):
+        return sorted({(step, d.replace(str(run_dir), "RUN")) for step, d in found})
+
+    # each step sampled from the same weights as in the uninterrupted run (and no more were published)
+    assert named(first_samplings(samplers), interrupted.run_dir) == named(
+        first_samplings(straight_samplers), straight.run_dir
+    )
+    assert lose_published or sorted(p.name for p in (interrupted.run_dir / "weights").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000005",
+    ]
+    assert step_rows(interrupted.run_dir) == expected

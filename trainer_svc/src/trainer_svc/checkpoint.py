@@ -7,14 +7,23 @@ sync is separate: weight_sync publishes the weights alone, every step.)
         model.safetensors (or shards + index)                 the policy's weights
         manifest.json                                         step, content id, base model
         PINNED                                                when the tripwire fired: never pruned
+        rollout_weights/                                      between two publishes: a copy of the
+                                                              published weights the requests name
         trainer_state/                                        what a resume needs
             optimizer.pt      torch.save of tensors only, read back with weights_only=True
             rng.safetensors   torch RNG states
-            state.json        step, scheduler, data cursor, counters, tripwire, requests in flight
+            state.json        step, scheduler, data cursor, counters, tripwire, requests in flight,
+                              the weights they name, the step's metrics row
 
 It is written into a hidden sibling and renamed into place, so a resume never sees half a
 checkpoint; the weights are an HF directory (a worker or an eval job can load them too).
 `restore` continues a run from the newest one.
+
+With `publish.every > 1` a checkpoint can fall between two publishes: its weights are newer
+than those the requests name. It records which those are, and keeps a copy of them
+(`rollout_weights/`, hard links where one filesystem holds both), so a resume samples from the
+same weights as the uninterrupted run even when the publish directory lost them (a tmpfs
+emptied by a reboot).
 """
 
 from __future__ import annotations
@@ -32,8 +41,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from protocol.fsio import fsync_dir, fsync_tree
+from protocol.fsio import fsync_tree
 
+from .atomic_dir import move_into_place
 from .model import Distributed
 from .weights_writer import COPIED_FILES
 
@@ -41,6 +51,7 @@ log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
 STATE_DIR = "trainer_state"
+ROLLOUT_WEIGHTS = "rollout_weights"  # the published weights the requests name, when not the checkpoint's own
 PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
 
 
@@ -64,6 +75,8 @@ class RunState:
     horizon: int | None = None  # train.steps the run was started with (None: a fresh run)
     started_at: float = field(default_factory=time.time)
     in_flight: list[dict] = field(default_factory=list)  # sampling calls sent, not yet trained on (StepSampler)
+    rollout_weights: dict | None = None  # the WeightsRef requests named at the save (None: older checkpoints)
+    row: dict | None = None  # the checkpoint step's metrics row, as known at the save
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -122,9 +135,11 @@ def save(
     trainer_state: dict,
     dist_info: Distributed,
     pin_reason: str | None = None,
+    rollout_weights: Path | None = None,
 ) -> Checkpoint | None:
     """Write checkpoint `step` (all ranks call; rank 0 writes). Returns it on rank 0. With
-    `pin_reason` it is written pinned (never pruned)."""
+    `pin_reason` it is written pinned (never pruned); with `rollout_weights` (a published
+    directory) it keeps a copy of them."""
     weights = full_state_dict(model, dist_info)
     optimizer_state = full_optimizer_state(model, optimizer, dist_info)
     if not dist_info.is_main:
@@ -146,26 +161,49 @@ def save(
         (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
         manifest = {"step": step, "content_id": content_id, "base_model": str(base_model), "created_at": time.time()}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if rollout_weights is not None:
+            link_or_copy_tree(rollout_weights, staging / ROLLOUT_WEIGHTS)
         if pin_reason is not None:
             pin(staging, pin_reason)
         fsync_tree(staging)
-        if final.exists():  # a save of this step from a run that stopped before recording it
-            shutil.rmtree(final)
-        os.rename(staging, final)
-        fsync_dir(final.parent)
+        # A save of this step from a run that stopped before recording it is replaced whole.
+        move_into_place(staging, final)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, (RuntimeError, SafetensorError)):  # torch.save and safetensors name no errno
             raise CheckpointWriteFailed(errno.EIO, f"writing checkpoint {final} failed ({exc})") from exc
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write() names no file
+            raise CheckpointWriteFailed(exc.errno, f"writing checkpoint {final} failed ({exc.strerror})") from exc
         raise
     return Checkpoint(final, step, content_id)
 
 
+def link_or_copy_tree(source: Path, dest: Path) -> None:
+    """`dest` holds `source`'s files: hard links (no bytes written) where both are on one
+    filesystem, copies elsewhere. Published files are never changed in place, so a link is a copy."""
+    dest.mkdir()
+    for entry in sorted(Path(source).iterdir()):
+        try:
+            os.link(entry, dest / entry.name)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            shutil.copyfile(entry, dest / entry.name)
+
+
 def save_and_prune(
-    cfg, step: int, policy, trainer_state: dict, dist_info: Distributed, pin_reason: str | None = None
+    cfg,
+    step: int,
+    policy,
+    trainer_state: dict,
+    dist_info: Distributed,
+    pin_reason: str | None = None,
+    rollout_weights=None,
 ) -> Checkpoint:
     """Save checkpoint `step`, then keep the newest `checkpoint.keep_last` (and pinned ones).
-    Every rank calls it and gets the new checkpoint back."""
+    Every rank calls it and gets the new checkpoint back. `rollout_weights`: the WeightsRef the
+    next requests name; published at an earlier step, a copy goes into the checkpoint."""
+    between_publishes = rollout_weights is not None and rollout_weights.step not in (None, step)
     saved = save(
         run_dir=cfg.run_dir,
         step=step,
@@ -175,6 +213,7 @@ def save_and_prune(
         trainer_state=trainer_state,
         dist_info=dist_info,
         pin_reason=pin_reason,
+        rollout_weights=Path(rollout_weights.dir) if between_publishes else None,
     )
     if dist_info.is_main:
         prune(cfg.run_dir, cfg.checkpoint.keep_last)
@@ -269,6 +308,8 @@ def restore(run_dir: Path, model, optimizer, scheduler, stream, tripwire, dist_i
             horizon=saved["horizon"],
             started_at=saved["started_at"],
             in_flight=saved.get("in_flight", []),  # absent from checkpoints of synchronous runs before ahead existed
+            rollout_weights=saved.get("rollout_weights"),
+            row=saved.get("row"),
         ),
         found,
     )

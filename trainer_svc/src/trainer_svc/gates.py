@@ -21,6 +21,7 @@ from protocol.content_id import weights_content_id
 
 from .config import Config
 from .data import Problem
+from .outputs import write_json_atomic
 from .rewards import Verifier, score
 
 CEILING_PERFECT_MIN = 0.99
@@ -138,7 +139,7 @@ def _wrong(gold: str) -> str:
 
 
 def check_ceiling(receipt: dict, run_dir: Path) -> None:
-    (run_dir / RECEIPT).write_text(json.dumps(receipt, indent=1))
+    write_json_atomic(run_dir / RECEIPT, receipt)  # a relaunch on a full disk keeps the last one whole
     if receipt["perfect_rate"] < CEILING_PERFECT_MIN or receipt["wrong_rate"] > CEILING_WRONG_MAX:
         raise GateRefused(
             "ceiling",

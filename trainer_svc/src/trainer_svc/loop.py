@@ -6,8 +6,8 @@
                     sends the next steps' requests; every rank gets the result
         learn       clipped policy gradient over grad_accum micro-batches (and ranks), AdamW
         publish     the weights, every `publish.every` steps: the next requests name them (the sync)
-        save        a resume checkpoint every `checkpoint.every` steps, and at every stop
         canary      held-out accuracy every `canary.every` steps
+        save        a resume checkpoint every `checkpoint.every` steps, and at every stop
         log         metrics.jsonl, progress bar
 
 `run.setup` builds everything first (rank differences live there), so this module reads the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 
 from protocol import exit_codes
 
@@ -64,10 +65,11 @@ def steps(run: Run) -> int:
         row = {"step": state.step, **summarize(rollouts), **stats}
         tripped = run.tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"])
         stopping, tripping = run.stop.agreed(run.dist, tripped is not None)
+        row.update(run.canary.maybe_run(state.step, run.weights))
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping or tripping:
             with timer.phase("save"):
-                save(run, pin_reason=(run.tripwire.reason or "collapse tripwire") if tripping else None)
-        row.update(run.canary.maybe_run(state.step, run.weights))
+                pin_reason = (run.tripwire.reason or "collapse tripwire") if tripping else None
+                save(run, {**row, **timer.seconds()}, pin_reason)
         run.out.step({**row, **timer.seconds()})
         if tripping:
             log.error("collapse tripwire: %s; checkpoint %s pinned", run.tripwire.reason, run.latest.path)
@@ -79,8 +81,10 @@ def steps(run: Run) -> int:
     return exit_codes.OK
 
 
-def save(run: Run, pin_reason: str | None = None) -> None:
-    """Save a resume checkpoint; one saved as the tripwire fires is pinned (never pruned)."""
+def save(run: Run, row: dict, pin_reason: str | None = None) -> None:
+    """Save a resume checkpoint; one saved as the tripwire fires is pinned (never pruned). It
+    keeps the step's metrics row (for a log that loses it to a full disk after the save) and the
+    weights the next requests name (older than the checkpoint's own between two publishes)."""
     trainer_state = {
         "step": run.state.step,
         "horizon": run.cfg.train.steps,
@@ -89,8 +93,12 @@ def save(run: Run, pin_reason: str | None = None) -> None:
         "tripwire": run.tripwire.state_dict(),
         "started_at": run.state.started_at,
         "in_flight": run.sample.state_dict(),  # the stream's cursor is past their prompts
+        "rollout_weights": asdict(run.weights),
+        "row": row,  # timings as of the save's start
     }
-    run.latest = ckpt.save_and_prune(run.cfg, run.state.step, run.policy, trainer_state, run.dist, pin_reason)
+    run.latest = ckpt.save_and_prune(
+        run.cfg, run.state.step, run.policy, trainer_state, run.dist, pin_reason, run.weights
+    )
 
 
 class StepTimer:

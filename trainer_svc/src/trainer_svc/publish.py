@@ -9,6 +9,7 @@ API:
     latest_published(publish_dir) -> Published | None
     list_published(publish_dir) -> list[Published]
     discard_newer_than(publish_dir, step) -> list[Path]
+    restore_published(copy, publish_dir) -> Published
     prune_published(publish_dir, keep_last, spool_dir) -> list[Path]
 
 Guarantees:
@@ -30,6 +31,9 @@ Guarantees:
 - discard_newer_than removes every step directory after `step` (a resumed run restores that
   checkpoint; weights published after it belong to a future that will not happen). Requests still
   naming them get `weights_not_found` from the worker.
+
+- restore_published puts a kept copy of a step directory (a checkpoint's `rollout_weights/`)
+  back, byte for byte, content id included, so requests naming it are served as before.
 
 One process publishes into a publish_dir (rank 0 of the trainer). Use, each optimizer step, on
 every rank:
@@ -54,8 +58,9 @@ from pathlib import Path
 
 import torch
 
-from protocol.fsio import fsync_dir, read_regular_file
+from protocol.fsio import fsync_dir, fsync_tree, read_regular_file
 
+from .atomic_dir import move_into_place, staging_dir
 from .model import Distributed
 from .weights_writer import (
     MANIFEST,
@@ -160,6 +165,23 @@ def discard_newer_than(publish_dir: Path, step: int) -> list[Path]:
     doomed = [path for path in _step_dirs(publish_dir) if _step_of(path) > step]
     _remove(doomed)
     return doomed
+
+
+def restore_published(copy: Path, publish_dir: Path) -> Published:
+    """Put `copy` (a complete step directory, manifest included) back in publish_dir under its
+    step, atomically; returns it as found there."""
+    manifest = json.loads((Path(copy) / MANIFEST).read_bytes())
+    dest = published_dir(publish_dir, int(manifest["step"]))
+    Path(publish_dir).mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(dest)
+    try:
+        shutil.copytree(copy, staging)
+        fsync_tree(staging)
+        move_into_place(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return next(p for p in list_published(publish_dir) if p.path == dest)
 
 
 def prune_published(publish_dir: Path, keep_last: int, spool_dir: Path | None) -> list[Path]:

@@ -155,7 +155,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier
     )
     if dist_info.is_main:  # only a config that passed the gates becomes the run's
-        (cfg.run_dir / "config.resolved.toml").write_bytes(dump(cfg))
+        outputs.write_bytes_atomic(cfg.run_dir / "config.resolved.toml", dump(cfg))
 
     policy = load_trainable(cfg, dist_info, tokenizer)
     stream = PromptStream(train_problems, seed=cfg.run.seed)
@@ -171,7 +171,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sampler.close()  # nothing left to sample
         sampler = None
     sync = WeightSync(cfg, dist_info)
-    weights = sync.resume(policy.model, state.step)
+    weights = sync.resume(policy.model, state.step, state.rollout_weights, latest.path if latest else None)
     return Run(
         cfg=cfg,
         stage=stage,
@@ -186,7 +186,9 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sync=sync,
         sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
-        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step) if dist_info.is_main else Outputs.silent(),
+        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row)
+        if dist_info.is_main
+        else Outputs.silent(),
         banner=banner,
         stop=StopRequest(cfg.run.max_wall_seconds),
     )

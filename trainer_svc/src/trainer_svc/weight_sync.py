@@ -1,7 +1,7 @@
 """The weight sync: publish the policy's weights where the rollout workers load them.
 
     sync = WeightSync(cfg, dist_info)
-    weights = sync.resume(model, step)      # after a resume: the newest published weights of `step`
+    weights = sync.resume(model, step, rollout_weights, checkpoint)  # after a resume: what requests named then
     if sync.due(step):
         weights = sync.publish(model, step)  # every `publish.every` steps, and at the last one
 
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from . import publish as published
+from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .model import Distributed
 from .sampling import WeightsRef
-from .weights_writer import iter_full_tensors, serving_dtype
+from .weights_writer import MANIFEST, iter_full_tensors, serving_dtype
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +59,47 @@ class WeightSync:
             ref = WeightsRef(str(record.path), record.content_id, record.step)
         return self.dist.from_rank0(ref)
 
-    def resume(self, model, step: int) -> WeightsRef:
-        """The weights rollouts use after a resume at `step`: the starting model at step 0; else
-        the weights published at `step`, published again if they are gone (a tmpfs emptied by a
-        reboot, or a step between publishes). Weights published after `step` are discarded: they
-        came from steps this run will take again."""
+    def resume(
+        self, model, step: int, rollout_weights: dict | None = None, checkpoint: Path | None = None
+    ) -> WeightsRef:
+        """The weights rollouts use after a resume at `step`: those the requests named when the
+        checkpoint was saved (`rollout_weights`; None for the starting model or a checkpoint that
+        did not record them: its own). With `publish.every > 1` they can be older than the
+        checkpoint's own weights, and the uninterrupted run samples from them until its next
+        publish, so the resumed run does too. Found in publish_dir (same content id), else put
+        back from the checkpoint's copy, else published anew from the restored weights (a step
+        whose own weights the requests named). Weights published after `step` are discarded:
+        they came from steps this run will take again."""
         ref = None
         if self.dist.is_main:
             discarded = published.discard_newer_than(self.dir, step)
             if discarded:
                 log.info("discarded %d published weights newer than step %d", len(discarded), step)
-            found = published.latest_published(self.dir)
-            if step == 0:
-                ref = WeightsRef(self.cfg.model.path)
-            elif found is not None and found.step == step:
-                ref = WeightsRef(str(found.path), found.content_id, found.step)
+            ref = self._resumed(step, WeightsRef(**rollout_weights) if rollout_weights else None, checkpoint)
         ref = self.dist.from_rank0(ref)
         return ref if ref is not None else self.publish(model, step)
+
+    def _resumed(self, step: int, named: WeightsRef | None, checkpoint: Path | None) -> WeightsRef | None:
+        """Rank 0: the weights to name after a resume, or None to publish the restored ones."""
+        if step == 0 or (named is not None and named.step is None):
+            return WeightsRef(self.cfg.model.path)  # nothing published yet: the starting model
+        wanted = named.step if named is not None else step
+        for found in published.list_published(self.dir):
+            if found.step == wanted and (named is None or found.content_id == named.content_id):
+                return WeightsRef(str(found.path), found.content_id, found.step)
+        if wanted == step:
+            return None
+        kept = checkpoint / ROLLOUT_WEIGHTS if checkpoint is not None else None
+        if kept is not None and (kept / MANIFEST).exists():
+            restored = published.restore_published(kept, self.dir)
+            log.info("the weights of step %d were gone from %s: put back from %s", wanted, self.dir, kept)
+            return WeightsRef(str(restored.path), restored.content_id, restored.step)
+        log.warning(
+            "the weights of step %d that the requests named are gone from %s and %s keeps no copy: publishing "
+            "the checkpoint's own (step %d), newer than an uninterrupted run would sample from until its next publish",
+            wanted,
+            self.dir,
+            checkpoint,
+            step,
+        )
+        return None
