@@ -167,6 +167,33 @@ def test_prune_keeps_the_newest_and_every_directory_a_request_names(base, tmp_pa
     assert visible(publish_dir) == ["step_00000007", "step_00000008"]
 
 
+def test_a_request_written_while_the_prune_runs_keeps_its_weights(base, tmp_path, monkeypatch):
+    """A producer names an older step just after the prune's scan, and a worker claims it and
+    starts loading: the prune's second scan, made before it deletes, sees the claim and puts that
+    directory back; a reader finds every file it opens after the prune."""
+    import trainer_svc.publish as publish_module
+
+    publish_dir = tmp_path / "pub"
+    paths = publish_steps(publish_dir, base, range(1, 5))
+    spool = make_spool(tmp_path / "spool")
+    real_scan = publish_module._named_by_spool
+    scans = []
+
+    def scan_then_a_request_arrives(spool_dir):
+        found = real_scan(spool_dir)
+        scans.append(found)
+        if len(scans) == 1:  # the race: written and claimed right after the first scan
+            (spool / "claimed" / "late@gpu0.json").write_text(request(str(paths[2]), "late"))
+        return found
+
+    monkeypatch.setattr(publish_module, "_named_by_spool", scan_then_a_request_arrives)
+    removed = prune_published(publish_dir, keep_last=1, spool_dir=spool)
+    assert removed == [paths[1], paths[3]]
+    assert visible(publish_dir) == ["step_00000002", "step_00000004"]
+    assert sorted(os.listdir(publish_dir)) == visible(publish_dir)  # nothing left aside
+    verify(paths[2], checksums=True)  # whole, as the claiming worker reads it
+
+
 def test_prune_removes_nothing_when_a_request_cannot_be_read(base, tmp_path):
     publish_dir = tmp_path / "pub"
     publish_steps(publish_dir, base, range(1, 5))

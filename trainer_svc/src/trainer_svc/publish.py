@@ -26,8 +26,9 @@ Guarantees:
   in the spool's `requests/` or `claimed/` names as `weights_dir` (same real path). A request
   file that cannot be parsed protects every directory whose name appears in its bytes; one that
   cannot be read at all (or a spool whose listing keeps changing under the scan) stops the prune.
-  Requests written after the scan are not seen: the trainer names only the newest weights, which
-  keep_last keeps.
+  A request written while a prune runs is seen by a second scan, made once the candidates are
+  renamed out of sight and before anything is deleted: what it names is put back (a reader
+  looking in that instant finds the directory missing for a moment; a worker loads again).
 - discard_newer_than removes every step directory after `step` (a resumed run restores that
   checkpoint; weights published after it belong to a future that will not happen). Requests still
   naming them get `weights_not_found` from the worker.
@@ -194,18 +195,34 @@ def prune_published(publish_dir: Path, keep_last: int, spool_dir: Path | None) -
     candidates = [p.path for p in list_published(publish_dir)[:-keep_last]]
     if not candidates:
         return []
-    if spool_dir is not None:
-        named = _named_by_spool(Path(spool_dir))
-        if named is None:
-            return []
-        paths, raw = named
-        candidates = [
-            path
-            for path in candidates
-            if os.path.realpath(path) not in paths and not any(path.name.encode() in text for text in raw)
-        ]
-    _remove(candidates)
-    return candidates
+    if spool_dir is None:
+        _delete(_set_aside(candidates))
+        return candidates
+    candidates = _unnamed(candidates, Path(spool_dir))
+    # A request written between the scan and the removal (a producer naming older weights, a
+    # worker about to load them) is seen by a second scan once the candidates are out of sight:
+    # those it names are put back before anything is deleted.
+    aside = _set_aside(candidates)
+    doomed = set(_unnamed(candidates, Path(spool_dir)))
+    for path, hidden in list(aside.items()):
+        if path not in doomed:
+            os.rename(hidden, path)
+            del aside[path]
+    _delete(aside)
+    return list(aside)
+
+
+def _unnamed(candidates: list[Path], spool_dir: Path) -> list[Path]:
+    """Those of `candidates` that no request in the spool names (none when that cannot be known)."""
+    named = _named_by_spool(spool_dir)
+    if named is None:
+        return []
+    paths, raw = named
+    return [
+        path
+        for path in candidates
+        if os.path.realpath(path) not in paths and not any(path.name.encode() in text for text in raw)
+    ]
 
 
 def _step_dirs(publish_dir: Path) -> list[Path]:
@@ -222,16 +239,24 @@ def _step_of(path: Path) -> int | None:
 
 
 def _remove(paths: list[Path]) -> None:
-    if not paths:
-        return
-    hidden = []
+    _delete(_set_aside(paths))
+
+
+def _set_aside(paths: list[Path]) -> dict[Path, Path]:
+    """Rename each directory to a hidden sibling: gone from its name at once, deleted out of sight."""
+    aside = {}
     for path in paths:
-        aside = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
-        os.rename(path, aside)  # gone from its name at once; the slow delete happens out of sight
-        hidden.append(aside)
-    fsync_dir(paths[0].parent)
-    for aside in hidden:
-        shutil.rmtree(aside, ignore_errors=True)
+        aside[path] = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        os.rename(path, aside[path])
+    return aside
+
+
+def _delete(aside: dict[Path, Path]) -> None:
+    if not aside:
+        return
+    fsync_dir(next(iter(aside)).parent)
+    for hidden in aside.values():
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _named_by_spool(spool_dir: Path) -> tuple[set[str], list[bytes]] | None:
