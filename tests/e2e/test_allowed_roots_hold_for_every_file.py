@@ -10,7 +10,7 @@ import os
 import shutil
 
 import pytest
-from conftest import start_worker, stop_worker, wait_for_status
+from conftest import poll, start_worker, stop_worker, wait_for_status
 
 from protocol import exit_codes
 from protocol.messages import Request
@@ -55,7 +55,8 @@ def test_a_file_linked_outside_the_roots_is_refused_and_the_worker_serves_on(tmp
             assert not result.ok, f"{name} linked outside the roots was served"
             assert result.error.code == "weights_not_allowed"
             assert f"{name} resolves to {target}" in result.error.message and str(weights) in result.error.message
-            assert spool.bad_path(f"{rid}.json").exists()
+            # The request file moves to bad/ just after its result is published.
+            assert poll(spool.bad_path(f"{rid}.json").exists, until=bool), f"{rid} not kept in bad/"
         client.submit(request("clean", clean_weights))
         clean = client.wait(["clean"], timeout_s=420)["clean"]
         assert clean.ok and clean.worker_id == "roots" and clean.weights_dir == str(clean_weights)
