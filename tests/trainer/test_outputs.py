@@ -232,3 +232,21 @@ def test_write_json_atomic_on_a_full_disk_names_the_file_and_keeps_the_old(tmp_p
         assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
         assert json.loads(path.read_text()) == {"step": 1}
         assert sorted(p.name for p in disk.path.iterdir()) == [".filler", "stage_result.json"]
+
+
+def test_the_canary_history_is_kept_like_the_metrics_a_damaged_line_never_stops_a_relaunch(tmp_path):
+    """canary.jsonl is a step log too: on resume it is cut back atomically, and a line damaged in
+    its middle neither stops the relaunch nor loses the readable rows."""
+    from conftest import make_config
+
+    from trainer_svc.canary import CANARY_FILE, Canary
+
+    cfg = make_config(tmp_path, tmp_path, canary={"every": 10})
+    rows = [{"step": s, "accuracy": s / 10, "n": 4, "weights_dir": "w", "time": 0.0} for s in (10, 20, 30)]
+    lines = [json.dumps(r) for r in rows]
+    (tmp_path / CANARY_FILE).write_text(lines[0] + "\n" + '{"step": 15, "accura\n' + lines[1] + "\n" + lines[2] + "\n")
+    canary = Canary(cfg, held_out=[], verifier=None, sampler=object(), resumed_step=20)
+    assert canary.history == rows[:2]
+    assert (tmp_path / CANARY_FILE).read_text() == lines[0] + "\n" + lines[1] + "\n"
+    assert (tmp_path / f"{CANARY_FILE}.damaged-1").read_text().count("\n") == 4  # the original, whole
+    assert not canary.due(20) and canary.due(30)

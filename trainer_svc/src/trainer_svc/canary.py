@@ -8,12 +8,12 @@ canary due before the first trained weights exist is skipped, not run on the sta
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from .config import Config
 from .data import Problem
+from .outputs import StepLog
 from .rewards import Verifier
 from .sampling import Sampler, WeightsRef
 
@@ -29,12 +29,9 @@ class Canary:
         self.problems = held_out[: cfg.canary.problems]
         self.verifier = verifier
         self.sampler = sampler
-        self.path = Path(cfg.run_dir) / CANARY_FILE
-        self.history: list[dict] = []
-        if sampler is not None and self.path.exists():
-            kept = [json.loads(line) for line in self.path.read_text().splitlines()]
-            self.history = [h for h in kept if h["step"] <= resumed_step]  # later ones will be redone
-            self.path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.
+        self.log = StepLog(Path(cfg.run_dir) / CANARY_FILE, resumed_step) if sampler is not None else None
+        self.history: list[dict] = self.log.rows if self.log is not None else []
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and not any(h["step"] == step for h in self.history)
@@ -67,7 +64,5 @@ class Canary:
             "weights_dir": weights.dir,
             "time": time.time(),
         }
-        self.history.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.log.write(record)  # and into self.history, which is its rows
         return record

@@ -37,34 +37,37 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 @contextmanager
 def naming(path: Path):
-    """An OSError raised inside names `path` (a failed write() names no file on its own), so a
-    full disk's message says which output it stopped."""
+    """An OSError raised inside names `path` first (a failed write() names no file on its own, and
+    an atomic replace names its scratch file, kept second), so a full disk's message says which
+    output it stopped."""
     try:
         yield
     except OSError as exc:
-        if exc.filename is not None:
+        if exc.filename == str(path):
             raise
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path), None, exc.filename) from exc
 
 
-class MetricsLog:
-    """One JSON line per optimizer step, appended whole or not at all: a write that fails (a full
-    disk) cuts the file back to its last complete row, and a row is on disk before the next step.
+class StepLog:
+    """A JSONL file of rows keyed by "step" (metrics.jsonl, canary.jsonl), appended whole or not at
+    all: a write that fails (a full disk) cuts the file back to its last complete row, and a row
+    is on disk before the next step.
 
     On resume the rows of steps after the checkpoint are dropped (those steps run again), and
     the checkpoint's own row is appended if the log lost it (the disk filled between the save and
     the row). That rewrite goes to a new file renamed over the old (protocol.fsio.replace_atomic):
-    a crash or a full disk during it leaves the old history whole.
+    a crash or a full disk during it leaves the old history whole. `rows` holds what was kept.
 
     A line that does not read as a row: the last one was torn by a crash mid-append and is
     dropped (its step is run again, or its row comes back from the checkpoint). One elsewhere
     was damaged otherwise (an editor, the disk): the readable rows are kept, the original file is
-    kept whole beside it as `metrics.jsonl.damaged-N`, and a warning names the line. A damaged
-    log never stops a relaunch: the checkpoint, not the log, says where the run stands, and
-    refusing would leave a run idle for a record that is kept anyway."""
+    kept whole beside it as `<name>.damaged-N`, and a warning names the line. A damaged log never
+    stops a relaunch: the checkpoint, not the log, says where the run stands, and refusing would
+    leave a run idle for a record that is kept anyway."""
 
-    def __init__(self, run_dir: Path, resumed_step: int, checkpoint_row: dict | None = None):
-        self.path = run_dir / METRICS
+    def __init__(self, path: Path, resumed_step: int, checkpoint_row: dict | None = None):
+        self.path = Path(path)
+        self.rows: list[dict] = []
         if self.path.exists():
             self._cut_back(resumed_step, checkpoint_row)
         with naming(self.path):
@@ -84,6 +87,7 @@ class MetricsLog:
         kept = [row for row in rows if row is not None and row["step"] <= resumed_step]
         if checkpoint_row is not None and not any(row["step"] == resumed_step for row in kept):
             kept.append(checkpoint_row)
+        self.rows = kept
         text = "".join(json.dumps(row) + "\n" for row in kept)
         if text == original:
             return  # nothing to cut: no write, which a full disk might refuse
@@ -101,11 +105,11 @@ class MetricsLog:
             replace_atomic(self.path, text.encode())
 
     def _set_aside(self) -> Path:
-        """Keep the file as it is under the first free `metrics.jsonl.damaged-N` (a hard link:
-        no copy, so it works on a full disk too)."""
+        """Keep the file as it is under the first free `<name>.damaged-N` (a hard link: no copy, so
+        it works on a full disk too)."""
         number = 1
         while True:
-            aside = self.path.with_name(f"{METRICS}.damaged-{number}")
+            aside = self.path.with_name(f"{self.path.name}.damaged-{number}")
             try:
                 os.link(self.path, aside)
                 return aside
@@ -123,9 +127,17 @@ class MetricsLog:
             os.ftruncate(self._fd, self._size)  # no torn row: shrinking a file needs no space
             raise
         self._size += len(data)
+        self.rows.append(row)
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+class MetricsLog(StepLog):
+    """run_dir/metrics.jsonl: a row per optimizer step."""
+
+    def __init__(self, run_dir: Path, resumed_step: int, checkpoint_row: dict | None = None):
+        super().__init__(Path(run_dir) / METRICS, resumed_step, checkpoint_row)
 
 
 def _row(line: str) -> dict | None:
