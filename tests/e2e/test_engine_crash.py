@@ -5,6 +5,7 @@ engine_error and builds a new engine; the trainer sends the request again under 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,19 +70,22 @@ def test_an_engine_killed_mid_call_costs_one_resend_and_the_run_finishes(model, 
         proc = subprocess.Popen(
             [str(TRAINER), "train", str(cfg)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
         )
+    worker_session = None
     try:
         taken = poll(lambda: metrics_rows(run_dir), lambda n: n >= 1 or proc.poll() is not None, timeout_s=600)
         assert taken >= 1 and proc.poll() is None, log.read_text()[-3000:]
         spool = Spool(run_dir / "spool")
         (worker,) = [s for _, s in spool.statuses() if s is not None]
+        worker_session = worker.pid  # the spawned worker leads its own session, engines included
         engine = engine_process(worker.pid)
         os.kill(engine, signal.SIGSTOP)  # the worker's next engine call hangs in it...
         wait_for_status(spool, worker.worker_id, lambda s: s.state == "generating", 300, None)
         os.kill(engine, signal.SIGKILL)  # ...and the engine dies under it
         assert proc.wait(timeout=700) == exit_codes.OK, log.read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for session in (proc.pid, worker_session):  # a failed test leaves no frozen engine behind
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.killpg(session, signal.SIGKILL)
     assert metrics_rows(run_dir) == STEPS
     results = {p.name: json.loads(p.read_text()) for p in (run_dir / "spool" / "done").glob("*.result.json")}
     failed = [r for r in results.values() if not r["ok"]]
