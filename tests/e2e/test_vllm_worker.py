@@ -296,7 +296,11 @@ while not os.path.exists(stop):
     if i % 7 == 0:  # now and then gone for a moment, as a pruned directory is
         os.rename(dest, f"{dest}.old")
         shutil.rmtree(f"{dest}.old")
-    time.sleep(0.02)
+    time.sleep(0.1)
+if not os.path.exists(dest):  # stopped while it was gone: leave a version standing
+    shutil.copytree(a, dest)
+    with open(os.path.join(dest, "manifest.json"), "w") as f:
+        json.dump({"content_id": "a-last"}, f)
 """
 
 
@@ -316,7 +320,7 @@ def test_a_directory_republished_while_the_worker_loads_it_is_never_served_torn(
     writer = subprocess.Popen(
         [sys.executable, "-c", REPUBLISHER, str(dest), str(models["a"]), str(models["b"]), str(stop)]
     )
-    served, refused = {"a": 0, "b": 0}, []
+    served, refused = [], []
     try:
         for _ in range(24):
             result = ask(client, dest, ["12+7="], max_tokens=6)
@@ -326,9 +330,35 @@ def test_a_directory_republished_while_the_worker_loads_it_is_never_served_torn(
             version = result.weights_content_id.split("-")[0]
             expected = reference.greedy(models[version], result.prompt_token_ids[0], 6)
             assert result.token_ids[0][0] == expected, f"served {result.weights_content_id} with other weights"
-            served[version] += 1
+            served.append(version)
     finally:
         stop.touch()
         writer.wait(timeout=60)
     assert set(refused) <= {ErrorCode.WEIGHTS_NOT_FOUND, ErrorCode.WEIGHTS_INVALID}, refused
-    assert served["a"] and served["b"], served  # both versions were really served
+    # Once the directory stands still, it is served: a refusal left nothing broken behind.
+    last = ask(client, dest, ["12+7="], max_tokens=6)
+    version = last.weights_content_id.split("-")[0]
+    assert last.ok and last.token_ids[0][0] == reference.greedy(models[version], last.prompt_token_ids[0], 6)
+    assert worker["proc"].poll() is None, (served, refused)
+
+
+def test_a_file_linked_outside_the_roots_is_refused_and_the_worker_serves_on(worker, models, client_for, tmp_path):
+    """`--allowed-root` holds for every file the worker reads, not only for the weights directory:
+    a directory under the root whose shard, config or tokenizer is a symlink to a file outside is
+    refused with `weights_not_allowed` before anything reads it, and the same worker serves on."""
+    client = client_for(worker["spool"].root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        weights = shutil.copytree(models["a"], models["root"] / f"linked-{name}-{time.time_ns()}")
+        target = outside / f"{weights.name}-{name}"
+        os.rename(weights / name, target)
+        os.symlink(target, weights / name)
+        result = ask(client, weights)
+        assert not result.ok, f"{name} linked outside the roots was served"
+        assert result.error.code == ErrorCode.WEIGHTS_NOT_ALLOWED
+        assert f"{name} resolves to {target}" in result.error.message and str(weights) in result.error.message
+        # The request file moves to bad/ just after its result is published.
+        assert poll(worker["spool"].bad_path(f"{result.request_id}.json").exists, until=bool)
+    clean = ask(client, models["b"])
+    assert clean.ok and clean.worker_id == WORKER and worker["proc"].poll() is None
