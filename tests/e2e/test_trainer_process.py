@@ -272,13 +272,13 @@ def nothing_torn(run_dir: Path) -> None:
 
 
 def test_a_really_full_disk_stops_the_run_with_74_and_the_relaunch_takes_every_step_once(setting):
-    """run_dir (weights, checkpoints, metrics) on a 5 MB tmpfs: the weights of two steps fit, a
-    third or a checkpoint does not. The module's worker serves it (the spawned worker's own
-    exit on a full disk is tests/e2e/test_worker_full_disk.py's)."""
+    """run_dir (weights, checkpoints, metrics, the spawned worker's log) on a 5 MB tmpfs: the
+    weights of two steps fit, a third or a checkpoint does not."""
     base = setting["base"]
     with small_tmpfs(base / "disk-5mb", 5 * 2**20) as disk:
         run_dir = disk.path / "run"
-        config = write_config(base / "full-5mb.toml", run_dir, setting["model"], setting["spool"].root)
+        spawned = {"rollout": {**SPAWNED, "spool": base / "full-spool"}}
+        config = write_config(base / "full-5mb.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
         proc = launch(config)
         assert proc.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(proc)
         [error] = [line for line in log_tail(proc).splitlines() if line.startswith("error:")]
