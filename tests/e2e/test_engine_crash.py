@@ -10,10 +10,11 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from conftest import poll, wait_for_status
+from conftest import poll
 from run_config import ROLLOUT_VENV, SMALL_STEPS, write_run_config
 
 from protocol import exit_codes
@@ -51,6 +52,20 @@ def metrics_rows(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def hanging_call(spool: Spool, frozen_at: float, settle_s: float = 5.0) -> None:
+    """Wait until the worker is inside a call that the frozen engine cannot answer: a request
+    claimed after the freeze, or one claimed before it that is still unanswered `settle_s` later.
+    A call whose answer left the engine just before the freeze ends with a result and does not
+    count (killing the engine then would fail nothing)."""
+    before = set(os.listdir(spool.claimed))
+
+    def hanging(claims: set[str]) -> bool:
+        return bool(claims - before) or bool(claims & before and time.monotonic() - frozen_at > settle_s)
+
+    claims = poll(lambda: set(os.listdir(spool.claimed)), hanging, timeout_s=300)
+    assert hanging(claims), "the worker claimed nothing while its engine was frozen"
+
+
 def test_an_engine_killed_mid_call_costs_one_resend_and_the_run_finishes(model, tmp_path):
     run_dir = tmp_path / "run"
     ours = {
@@ -79,7 +94,7 @@ def test_an_engine_killed_mid_call_costs_one_resend_and_the_run_finishes(model, 
         worker_session = worker.pid  # the spawned worker leads its own session, engines included
         engine = engine_process(worker.pid)
         os.kill(engine, signal.SIGSTOP)  # the worker's next engine call hangs in it...
-        wait_for_status(spool, worker.worker_id, lambda s: s.state == "generating", 300, None)
+        hanging_call(spool, time.monotonic())
         os.kill(engine, signal.SIGKILL)  # ...and the engine dies under it
         assert proc.wait(timeout=700) == exit_codes.OK, log.read_text()[-3000:]
     finally:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from protocol.messages import (
     SCHEMA_VERSION,
+    ChatTurn,
     Error,
     ErrorCode,
     MessageError,
@@ -48,9 +49,13 @@ token_prompts = st.fixed_dictionaries(
         )
     }
 )
+turns = st.builds(ChatTurn, st.sampled_from(["system", "user", "assistant"]), st.text(max_size=40))
+chat_prompts = st.fixed_dictionaries(
+    {"messages": st.lists(st.lists(turns, min_size=1, max_size=3), min_size=1, max_size=3)}
+)
 requests = st.builds(
     lambda prompts, **fields: Request(**prompts, **fields),
-    text_prompts | token_prompts,
+    text_prompts | token_prompts | chat_prompts,
     request_id=ids,
     weights_dir=abs_paths,
     weights_content_id=st.none() | st.text(max_size=20),
@@ -196,7 +201,7 @@ def test_error_codes_are_stable():
     assert {c.value for c in ErrorCode} == {
         "bad_json", "invalid_request", "unsupported_schema", "id_mismatch", "too_large", "not_a_file",
         "unreadable", "deadline_expired", "weights_not_found", "weights_invalid", "weights_not_allowed",
-        "prompt_too_long", "engine_error",
+        "prompt_too_long", "engine_error", "no_chat_template",
     }  # fmt: skip
 
 
@@ -328,12 +333,40 @@ def test_missing_required_field_refused(field):
         {"prompts": [], "prompt_token_ids": []},
         {"prompts": ..., "prompt_token_ids": None},
         {"prompt_token_ids": [[1, 2]]},  # and `prompts` too: exactly one is allowed
+        {"messages": [[{"role": "user", "content": "hi"}]]},
+        {"prompts": ..., "messages": []},
+        {"prompts": ..., "messages": [[{"role": "user", "content": "hi"}]], "prompt_token_ids": [[1]]},
     ],
 )
 def test_exactly_one_kind_of_prompt(prompts):
     error = refused(as_json(**prompts))
     assert error.code is ErrorCode.INVALID_REQUEST
-    assert "`prompts`" in error.message and "`prompt_token_ids`" in error.message
+    assert all(f"`{kind}`" in error.message for kind in ("prompts", "prompt_token_ids", "messages"))
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [[]],  # a conversation without turns
+        [[{"role": "user"}]],
+        [[{"role": "", "content": "hi"}]],
+        [[{"role": "user", "content": "hi", "name": "x"}]],  # an unknown key, refused as everywhere
+        [[{"role": "user", "content": 3}]],
+        [{"role": "user", "content": "hi"}],  # one conversation, not a list of them
+    ],
+)
+def test_invalid_messages_refused(messages):
+    error = refused(as_json(prompts=..., messages=messages))
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert "messages" in error.message or "turn" in error.message, error.message
+
+
+def test_a_chat_request_counts_its_conversations():
+    chat = [[ChatTurn("system", "be brief"), ChatTurn("user", "2+2?")], [ChatTurn("user", "3+3?")]]
+    request = Request(
+        request_id="c", weights_dir="/w", messages=chat, n_samples_per_prompt=4, max_tokens=8, temperature=1.0
+    )
+    assert (request.num_prompts, request.num_sequences) == (2, 8)
 
 
 @pytest.mark.parametrize("token_ids", [[[]], [[1], []], [[-1]], [[3, -2]], [["a"]], [1, 2], "1 2"])

@@ -61,6 +61,7 @@ class ErrorCode(str, enum.Enum):
     WEIGHTS_NOT_ALLOWED = "weights_not_allowed"  # weights_dir outside the worker's allowed roots
     PROMPT_TOO_LONG = "prompt_too_long"  # a prompt exceeds what the engine accepts
     ENGINE_ERROR = "engine_error"  # the engine raised serving a valid request (crashed, out of memory, process gone)
+    NO_CHAT_TEMPLATE = "no_chat_template"  # `messages` given, but the loaded model's tokenizer has no chat template
 
     @property
     def rejects_input(self) -> bool:
@@ -76,6 +77,13 @@ class ErrorCode(str, enum.Enum):
         succeed. Every other code is permanent: sent again unchanged, it fails again, until the
         request, its weights or the worker's options change."""
         return self in (ErrorCode.DEADLINE_EXPIRED, ErrorCode.ENGINE_ERROR)
+
+
+class ChatTurn(msgspec.Struct, forbid_unknown_fields=True):
+    """One turn of a conversation, as HF chat templates and OpenAI-style datasets write it."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]  # "system", "user", "assistant"...
+    content: Prompt
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -94,6 +102,10 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deadline: float | None = None  # unix time; after it the request gets `deadline_expired`
     tag: str = ""  # free label for operators: train, eval, canary...
     prompt_token_ids: list[list[int]] | None = None  # prompts already tokenized, instead of `prompts`
+    # Conversations, instead of `prompts`: the worker renders each with the chat template of the
+    # model it serves (the generation prompt added) and returns the ids it rendered, so a producer
+    # needs no tokenizer.
+    messages: list[list[ChatTurn]] | None = None
     weights_content_id: str | None = None  # if set, weights with another content id are refused
     # The call this request is a part of: requests sent together with the same call_id go to
     # different idle workers (a worker takes only its share while others are idle). None: a call
@@ -105,14 +117,19 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         # A relative path would resolve against each worker's own working directory.
         if not self.weights_dir.startswith("/"):
             raise ValueError(f"weights_dir must be an absolute path, got {self.weights_dir!r}")
-        if bool(self.prompts) == bool(self.prompt_token_ids):
-            raise ValueError("give exactly one of `prompts` (texts) and `prompt_token_ids` (token id lists), non-empty")
+        if sum(map(bool, (self.prompts, self.prompt_token_ids, self.messages))) != 1:
+            raise ValueError(
+                "give exactly one of `prompts` (texts), `prompt_token_ids` (token id lists) and `messages` "
+                "(conversations), non-empty"
+            )
+        if self.messages and not all(self.messages):
+            raise ValueError("each conversation of `messages` must hold at least one turn")
         if self.prompt_token_ids and any(not ids or min(ids) < 0 for ids in self.prompt_token_ids):
             raise ValueError("each list of `prompt_token_ids` must be non-empty and hold ids >= 0")
 
     @property
     def num_prompts(self) -> int:
-        return len(self.prompts) or len(self.prompt_token_ids or ())
+        return len(self.prompts) or len(self.prompt_token_ids or ()) or len(self.messages or ())
 
     @property
     def num_sequences(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.answers import gold_from_answer, normalise_number
@@ -35,8 +35,11 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class Problem:
     id: str
-    prompt: str
-    gold: str  # normalised as protocol.answers.normalise_number does
+    # Plain text sent as it is, or a conversation ([{"role", "content"}, ...]) the rollout worker
+    # renders with the model's chat template.
+    prompt: str | list[dict]
+    gold: str | None = None  # normalised as protocol.answers.normalise_number does; None: no answer known
+    fields: dict = field(default_factory=dict)  # the row's other fields, for reward functions
 
 
 # -- the demo task -------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ An operator's smoke test of a deployment (spool permissions, systemd units, prod
 a GPU or weights. Tokens are Unicode code points: a completion is the first `max_tokens`
 characters of its prompt, finishing with "length" when that cut it short and "stop" otherwise.
 Each token's logprob is 0.0 (the echo is certain). Prompts given as token ids are echoed as
-those ids, their text being the code points they name. It loads nothing, so it never reports a
+those ids, their text being the code points they name; a conversation (`messages`) is echoed as
+its last turn's text. It loads nothing, so it never reports a
 state to its listener and every completion has a reload of 0 seconds and 0 bytes. It sleeps
 when asked (there is nothing to free) and is awake again at its next call, so the worker's
 sleep settings can be tried without a GPU.
@@ -46,7 +47,9 @@ class EchoEngine:
     @staticmethod
     def _echo(request: Request) -> Completion:
         n = request.n_samples_per_prompt
-        prompt_ids = request.prompt_token_ids or [[ord(c) for c in p] for p in request.prompts]
+        # A conversation is echoed as its last turn's text.
+        sources = request.prompts or [conversation[-1].content for conversation in request.messages or ()]
+        prompt_ids = request.prompt_token_ids or [[ord(c) for c in p] for p in sources]
         texts, token_ids, logprobs, finish = [], [], [], []
         for ids in prompt_ids:
             kept = ids[: request.max_tokens]

@@ -158,7 +158,7 @@ class LiveEngine:
         vocab = self.weights.config.get("vocab_size") or len(tokenizer)
         prompts, params, spans = [], [], []
         for request in requests:
-            ids_per_prompt = request.prompt_token_ids or [tokenizer(p)["input_ids"] for p in request.prompts]
+            ids_per_prompt = prompt_ids(request, tokenizer)
             _check_prompts(request, ids_per_prompt, max_len, vocab)
             spans.append((len(prompts), len(ids_per_prompt)))
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
@@ -308,6 +308,33 @@ def _torch_dtype(dtype):
     import torch
 
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+
+
+def prompt_ids(request: Request, tokenizer) -> list[list[int]]:
+    """The token ids of each prompt of `request`: given, tokenized from text, or conversations
+    rendered with the model's chat template (generation prompt added) and then tokenized without
+    special tokens of the tokenizer's own, as the template writes them (what HF's
+    `apply_chat_template(tokenize=True)` and vLLM's chat do)."""
+    if request.prompt_token_ids:
+        return request.prompt_token_ids
+    if not request.messages:
+        return [tokenizer(p)["input_ids"] for p in request.prompts]
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestFailed(
+            ErrorCode.NO_CHAT_TEMPLATE,
+            "the request gives `messages`, but the loaded model's tokenizer has no chat template "
+            "(tokenizer_config.json lacks `chat_template`); send plain-text `prompts` instead, or serve a model "
+            "whose tokenizer has one",
+        )
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": turn.role, "content": turn.content} for turn in conversation],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        for conversation in request.messages
+    ]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: int, vocab: int) -> None:
