@@ -241,23 +241,34 @@ def stats(spool_dir: SpoolOpt, as_json: JsonOpt = False) -> None:
 def evaluate(
     spool_dir: SpoolOpt,
     prompts: Annotated[
-        Path, typer.Argument(help="JSONL: {'prompt': ...} rows, or GSM8K rows with 'question' and 'answer' ('#### N').")
+        Path,
+        typer.Argument(
+            help="JSONL or Parquet rows: a prompt (text, or a conversation of {role, content} turns) and, where "
+            "known, an answer ('#### N' as GSM8K writes it, a \\boxed{} solution, or the answer itself)."
+        ),
     ],
     weights: Annotated[Path, typer.Option(help="Weights directory to evaluate (absolute, readable by the workers).")],
     out: Annotated[Path, typer.Option(help="Where to write completions (JSONL).")],
     max_tokens: Annotated[int, typer.Option(help="Tokens per completion.")] = 256,
     n_samples: Annotated[int, typer.Option(help="Completions per prompt.")] = 1,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    template: Annotated[str, typer.Option(help="Prompt built from a GSM8K row's question.")] = "{question}",
+    prompt_field: Annotated[str, typer.Option(help="The prompt's field; default: prompt, messages or question.")] = "",
+    answer_field: Annotated[str, typer.Option(help="The answer's field; default: gold, answer or solution.")] = "",
+    template: Annotated[str, typer.Option(help="Text prompts built from row fields, e.g. '{question}\\nA:'.")] = "",
+    system_prompt: Annotated[str, typer.Option(help="A system turn added to each conversation without one.")] = "",
+    chat: Annotated[
+        bool, typer.Option(help="Send text prompts as a user turn, rendered with the chat template.")
+    ] = False,
     prompts_per_request: Annotated[int, typer.Option(help="Prompts per spool request.")] = 64,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for all results.")] = 3600.0,
 ) -> None:
-    """Run an eval through the rollout workers serving SPOOL; prints accuracy for GSM8K rows."""
+    """Run an eval through the rollout workers serving SPOOL; prints accuracy over the rows with answers."""
     from .client import SpoolClient, WaitError
-    from .evaluation import RowError, read_rows, run_eval, write_rows
+    from .evaluation import RowError, RowFormat, read_rows, run_eval, write_rows
 
+    fmt = RowFormat(prompt_field, answer_field, template, system_prompt, chat)
     try:
-        rows = read_rows(prompts, template)
+        rows = read_rows(prompts, fmt)
     except (RowError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

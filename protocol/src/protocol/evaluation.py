@@ -1,11 +1,12 @@
 """Eval jobs through the spool: prompts in, completions (and accuracy) out.
 
-Input rows (JSONL), one of:
-    {"prompt": "..."}                                    plain prompt
-    {"question": "...", "answer": "... #### 42"}         GSM8K format: gold answer after ####
+Input rows are read by protocol.rows (JSONL or Parquet; text prompts or conversations, which
+the worker renders with the model's chat template; an answer field where there is one), the
+same reader the trainer uses, so an eval sees its prompts as training did.
 
-    from protocol.evaluation import read_rows, run_eval, write_rows
-    rows = read_rows("gsm8k_test.jsonl")
+    from protocol.evaluation import run_eval, write_rows
+    from protocol.rows import RowFormat, read_rows
+    rows = read_rows("gsm8k_test.jsonl", RowFormat(chat=True, system_prompt="Answer with a number."))
     with SpoolClient("/srv/spool") as client:
         report = run_eval(client, rows, weights_dir="/ckpt/step_00000100", max_tokens=256)
     write_rows("out.jsonl", report.rows)
@@ -25,22 +26,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .answers import extract_answer, gold_from_answer, verdict
+from .answers import extract_answer, verdict
 from .client import SpoolClient
 from .fsio import replace_atomic
-from .jsonl import json_lines
-from .messages import Request
+from .messages import ChatTurn, Request
+from .rows import Row, RowError, RowFormat, is_conversation, read_rows
 
-
-class RowError(ValueError):
-    """A prompt file row that cannot be used; the message names the file and line."""
-
-
-@dataclass
-class EvalRow:
-    prompt: str
-    gold: str | None = None  # the gold number, for rows with an answer
-    source: dict | None = None  # the row as read, echoed into the output
+__all__ = ["EvalReport", "Row", "RowError", "RowFormat", "read_rows", "run_eval", "write_rows"]
 
 
 @dataclass
@@ -50,30 +42,9 @@ class EvalReport:
     seconds: float
 
 
-def read_rows(path: str | Path, template: str = "{question}") -> list[EvalRow]:
-    """Read a JSONL prompt file. `template` builds the prompt of GSM8K rows from `question`."""
-    rows = []
-    for _, where, data in json_lines(path, RowError):
-        if not isinstance(data, dict):
-            raise RowError(f"{where}: expected an object with 'prompt', or 'question' and 'answer'")
-        if isinstance(data.get("prompt"), str):
-            rows.append(EvalRow(data["prompt"], None, data))
-        elif isinstance(data.get("question"), str) and isinstance(data.get("answer"), str):
-            try:
-                gold = gold_from_answer(data["answer"])
-            except ValueError as exc:
-                raise RowError(f"{where}: {exc}") from None
-            rows.append(EvalRow(template.format(question=data["question"]), gold, data))
-        else:
-            raise RowError(f"{where}: expected a string 'prompt', or string 'question' and 'answer'")
-    if not rows:
-        raise RowError(f"{path} holds no rows")
-    return rows
-
-
 def run_eval(
     client: SpoolClient,
-    rows: list[EvalRow],
+    rows: list[Row],
     *,
     weights_dir: str,
     max_tokens: int,
@@ -93,7 +64,7 @@ def run_eval(
         Request(
             request_id=f"{name}-{stamp}-{i // prompts_per_request:05d}",
             weights_dir=weights_dir,
-            prompts=[row.prompt for row in rows[i : i + prompts_per_request]],
+            **_prompts([row.prompt for row in rows[i : i + prompts_per_request]]),
             n_samples_per_prompt=n_samples,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -116,7 +87,7 @@ def run_eval(
     completions = [texts for request in requests for texts in results[request.request_id].texts]
     out, scored, correct = [], 0, 0
     for row, texts in zip(rows, completions, strict=True):
-        record = dict(row.source or {}, prompt=row.prompt, completions=texts)
+        record = dict(row.fields, id=row.id, prompt=row.prompt, completions=texts)
         if row.gold is not None:
             predicted = [extract_answer(t) for t in texts]
             hits = [verdict(p, row.gold) is True for p in predicted]
@@ -126,6 +97,13 @@ def run_eval(
         out.append(record)
     accuracy = correct / scored if scored else None
     return EvalReport(out, accuracy, time.monotonic() - started)
+
+
+def _prompts(prompts: list[str | list[dict]]) -> dict:
+    """A request's prompt fields: texts, or conversations the worker renders."""
+    if is_conversation(prompts[0]):
+        return {"messages": [[ChatTurn(turn["role"], turn["content"]) for turn in chat] for chat in prompts]}
+    return {"prompts": prompts}
 
 
 def write_rows(path: str | Path, rows: list[dict]) -> None:

@@ -19,7 +19,7 @@ from protocol.content_id import weights_content_id
 from protocol.fsio import replace_atomic
 
 from .config import Config
-from .data import load_problems
+from .data import DataError, load_problems
 from .rewards import Verifier
 
 BATCH = 64  # prompts per request
@@ -32,6 +32,12 @@ def band_path(cfg: Config) -> Path:
 def run_band(cfg: Config, sampler=None) -> dict:
 
     candidates, _ = load_problems(cfg.data, cfg.run.seed)
+    unanswered = next((p for p in candidates if p.gold is None), None)
+    if unanswered is not None:
+        raise DataError(
+            f"row {unanswered.id} has no answer; banding measures how often the model answers each prompt correctly, "
+            "so it needs an answer field in every row (data.answer_field)"
+        )
     if cfg.band.candidates:
         candidates = candidates[: cfg.band.candidates]
     own_sampler = sampler is None
@@ -63,7 +69,16 @@ def run_band(cfg: Config, sampler=None) -> dict:
                     counts["always"] += 1
                 else:
                     counts["band"] += 1
-                    rows.append({"id": problem.id, "prompt": problem.prompt, "gold": problem.gold, "pass_rate": rate})
+                    # The row's own fields kept: reward functions read them when the band is trained on.
+                    rows.append(
+                        {
+                            **problem.fields,
+                            "id": problem.id,
+                            "prompt": problem.prompt,
+                            "gold": problem.gold,
+                            "pass_rate": rate,
+                        }
+                    )
     finally:
         verifier.close()
         if own_sampler:

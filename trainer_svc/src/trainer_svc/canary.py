@@ -1,6 +1,7 @@
-"""The canary: every `canary.every` steps, greedy answers to held-out problems through the
-spool, from the newest weights. Its accuracy (canary.jsonl, stage_result.json) shows whether
-the policy improves on problems it never trained on, not only on its training prompts.
+"""The canary: every `canary.every` steps, greedy answers to held-out problems (those with an
+answer) through the spool, from the newest weights, rendered as training renders them. Its
+accuracy (canary.jsonl, stage_result.json) shows whether the policy improves on problems it never
+trained on, not only on its training prompts.
 
 The canary of step 0 answers from the starting model; a later one only from trained weights (a
 canary due before the first trained weights exist is skipped, not run on the starting model).
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from .config import Config
-from .data import Problem
+from .data import DataError, Problem
 from .outputs import StepLog
 from .rewards import Verifier
 from .sampling import Sampler, WeightsRef
@@ -26,7 +27,13 @@ class Canary:
     ):
         """`sampler` None: a canary that never runs (ranks other than 0)."""
         self.every = cfg.canary.every if sampler is not None else 0
-        self.problems = held_out[: cfg.canary.problems]
+        answered = [p for p in held_out if p.gold is not None]
+        if cfg.canary.every and held_out and not answered:
+            raise DataError(
+                f"canary.every = {cfg.canary.every}, but no held-out row has an answer: the canary scores greedy "
+                "answers against them. Give the rows an answer field (data.answer_field), or set canary.every = 0"
+            )
+        self.problems = answered[: cfg.canary.problems]
         self.verifier = verifier
         self.sampler = sampler
         # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.

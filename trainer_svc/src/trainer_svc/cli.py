@@ -141,11 +141,12 @@ def sft(config: ConfigArg) -> None:
         check_model_dir(Path(cfg.sft.base))
     except PreflightError as exc:
         raise _fail(exc.exit_code, str(exc)) from None
+    from .data import DataError
     from .sft import run_sft
 
     try:
         report = run_sft(cfg)
-    except FileExistsError as exc:
+    except (FileExistsError, DataError) as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     typer.echo(
         f"warm-up: {report['steps']} steps, sampled accuracy {report['sampled_accuracy']:.2f}; model in {report['out']}"
@@ -159,10 +160,13 @@ def band(config: ConfigArg) -> None:
     cfg = _load(config, False)
     check_before_work(cfg)
     from .band import run_band
+    from .data import DataError
     from .rollout import RolloutFailed, RolloutUnavailable
 
     try:
         report = run_band(cfg)
+    except DataError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
     except RolloutUnavailable as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
     except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help

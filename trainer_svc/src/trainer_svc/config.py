@@ -47,8 +47,14 @@ class ModelConfig(Struct):
 
 class DataConfig(Struct):
     task: Literal["arithmetic", "file"] = "arithmetic"
-    path: str = ""  # task "file": JSONL of GSM8K rows or {"prompt", "gold"} rows
-    template: str = "{question}"  # prompt built from a GSM8K question
+    path: str = ""  # task "file": a JSONL or Parquet file of rows (protocol/rows.py says which field is what)
+    # The prompt's field; "": the first of prompt, messages, question. Text, or a conversation
+    # (a list of {role, content}) rendered with the model's chat template by the worker.
+    prompt_field: str = ""
+    answer_field: str = ""  # the gold answer's field; "": the first of gold, answer, solution (none: no golds)
+    template: str = ""  # text prompts built from the row's fields, e.g. "{question}\nAnswer:"; "": as written
+    system_prompt: str = ""  # a system turn added to each conversation that has none
+    chat: bool = False  # text prompts sent as a conversation of one user turn (chat template, system prompt)
     arithmetic_low: NonNegative = 0
     arithmetic_high: NonNegative = 20
     arithmetic_ops: str = "+"
@@ -57,7 +63,12 @@ class DataConfig(Struct):
 
     def __post_init__(self) -> None:
         if self.task == "file" and not self.path:
-            raise ValueError("data.path must name a JSONL file when data.task = 'file'")
+            raise ValueError("data.path must name a JSONL or Parquet file when data.task = 'file'")
+        if self.task == "arithmetic" and (self.chat or self.system_prompt):
+            raise ValueError(
+                "data.chat and data.system_prompt apply to prompt files (data.task = 'file'); the arithmetic task's "
+                "prompts are bare equations for a base model"
+            )
         if self.arithmetic_high < self.arithmetic_low:
             raise ValueError("data.arithmetic_high must be >= data.arithmetic_low")
         if (

@@ -1,5 +1,5 @@
-"""Training problems: the synthetic arithmetic demo task, JSONL prompt files, a held-out split,
-and a resumable prompt stream.
+"""Training problems: the synthetic arithmetic demo task, prompt files (JSONL or Parquet, rows of
+text or conversations: protocol.rows), a held-out split, and a resumable prompt stream.
 
     problems = arithmetic_problems(0, 20, "+")        # 441 problems, "3+17=" -> "20"
     train, held_out = split(problems, held_out=41, seed=0)
@@ -19,8 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.answers import gold_from_answer, normalise_number
-from protocol.jsonl import json_lines
+from protocol.rows import RowError, RowFormat, is_conversation, read_rows
 
 from .config import DataConfig
 
@@ -28,8 +27,8 @@ from .config import DataConfig
 OPERATIONS = {"+": ("add", operator.add), "-": ("sub", operator.sub), "*": ("mul", operator.mul)}
 
 
-class DataError(ValueError):
-    """A prompt file that cannot be used; the message names the file and line and what is wrong."""
+# A prompt file that cannot be used: the message names the file, the row and the field.
+DataError = RowError
 
 
 @dataclass(frozen=True)
@@ -69,83 +68,33 @@ def arithmetic_problems(low: int = 0, high: int = 20, ops: str = "+") -> list[Pr
 # -- prompt files --------------------------------------------------------------------------------
 
 
-def read_gsm8k(path: str | Path, template: str = "{question}") -> list[Problem]:
-    """Read a JSONL file of GSM8K rows {"question", "answer": "... #### N"} or {"prompt", "gold"}.
-
-    `template` builds the prompt of GSM8K rows from their question. Blank lines are skipped;
-    other keys in a row are ignored. A problem's id is "<file stem>-<line number>". Raises
-    DataError, naming file:line, for a row that is not UTF-8, not JSON, not an object, of neither
-    shape, or without a usable prompt or gold; and for a file with no rows.
-    """
-    _check_template(template)
-    path = Path(path)
-    problems = []
-    for number, where, row in json_lines(path, DataError):
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        prompt, gold = _prompt_and_gold(row, template, where)
-        problems.append(Problem(f"{path.stem}-{number}", prompt, gold))
-    if not problems:
-        raise DataError(f"{path}: no rows")
-    return problems
+def read_prompt_file(path: str | Path, fmt: RowFormat | None = None) -> list[Problem]:
+    """The problems of a JSONL or Parquet prompt file (protocol.rows: which field is the prompt,
+    which the answer, conversations and their system prompt). Raises DataError naming the file,
+    the row and the field; nothing is half loaded."""
+    return [Problem(row.id, row.prompt, row.gold, row.fields) for row in read_rows(path, fmt or RowFormat())]
 
 
-def read_prompt_file(path: str | Path, template: str = "{question}") -> list[Problem]:
-    """Read a JSONL file of {"prompt", "gold"} rows (GSM8K rows are accepted too, their prompt
-    built by `template` from the question). Same rules and errors as read_gsm8k.
-    """
-    return read_gsm8k(path, template)
+def row_format(data: DataConfig) -> RowFormat:
+    return RowFormat(
+        prompt_field=data.prompt_field,
+        answer_field=data.answer_field,
+        template=data.template,
+        system_prompt=data.system_prompt,
+        chat=data.chat,
+    )
 
 
-def _check_template(template: str) -> None:
-    try:
-        template.format(question="")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise DataError(f"data.template {template!r} must use only the field {{question}}: {exc!r}") from None
-
-
-def _prompt_and_gold(row: dict, template: str, where: str) -> tuple[str, str]:
-    is_gsm8k = "question" in row or "answer" in row
-    is_plain = "prompt" in row or "gold" in row
-    if is_gsm8k and is_plain:
-        raise DataError(f"{where}: mixes GSM8K keys (question, answer) with prompt/gold keys")
-    if is_gsm8k:
-        question = _non_empty_string(row, "question", where)
-        answer = _non_empty_string(row, "answer", where)
-        try:
-            gold = gold_from_answer(answer)
-        except ValueError as exc:
-            raise DataError(f"{where}: {exc}") from None
-        prompt = template.format(question=question)
-    elif is_plain:
-        prompt = _non_empty_string(row, "prompt", where)
-        gold = normalise_number(_gold_text(row, where))
-    else:
-        raise DataError(f"{where}: expected keys 'question' and 'answer', or 'prompt' and 'gold'; got {sorted(row)}")
-    if not gold:
-        raise DataError(f"{where}: the gold answer is empty")
-    return prompt, gold
-
-
-def _non_empty_string(row: dict, key: str, where: str) -> str:
-    if key not in row:
-        raise DataError(f"{where}: missing '{key}'")
-    value = row[key]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise DataError(f"{where}: '{key}' is empty")
-    return value
-
-
-def _gold_text(row: dict, where: str) -> str:
-    """A gold may be written as a JSON string or number."""
-    if "gold" not in row:
-        raise DataError(f"{where}: missing 'gold'")
-    gold = row["gold"]
-    if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
-        raise DataError(f"{where}: 'gold' must be a string or a number, got {type(gold).__name__}")
-    return str(gold)
+def check_chat_template(problems: Sequence[Problem], tokenizer, model_path: str) -> None:
+    """Conversations need the model's chat template; refuse them, naming the first such row,
+    where the tokenizer has none (the worker would refuse each request, later and less clearly)."""
+    chat = next((p for p in problems if is_conversation(p.prompt)), None)
+    if chat is not None and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"row {chat.id} is a conversation, but the model {model_path} has no chat template (in its "
+            "tokenizer_config.json or chat_template.jinja); give plain-text `prompt` rows (with data.chat = false "
+            "and no data.system_prompt), or train a model that has one"
+        )
 
 
 # -- split and stream ----------------------------------------------------------------------------
@@ -172,7 +121,7 @@ def load_problems(data: DataConfig, seed: int) -> tuple[list[Problem], list[Prob
     if data.task == "arithmetic":
         problems = arithmetic_problems(data.arithmetic_low, data.arithmetic_high, data.arithmetic_ops)
     else:
-        problems = read_prompt_file(data.path, data.template)
+        problems = read_prompt_file(data.path, row_format(data))
     if not data.held_out < len(problems):
         raise DataError(
             f"data.held_out = {data.held_out} leaves no training problem of the {len(problems)} there are; "

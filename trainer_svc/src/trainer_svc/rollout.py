@@ -56,6 +56,7 @@ import msgspec
 
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
+from protocol.rows import is_conversation
 from protocol.spool import Spool, id_from_name, split_claimed_name
 
 from .config import Config
@@ -108,7 +109,7 @@ class Ticket:
     spool requests that carry it (empty for samplers that do not use the spool). Plain data, so
     a checkpoint can keep the calls in flight (`state_dict`, `from_state`)."""
 
-    prompts: tuple[str, ...]
+    prompts: tuple[str | list[dict], ...]  # texts, or conversations ({role, content} turns)
     weights: WeightsRef
     step: int  # the optimizer step whose batch it samples
     attempt: int  # 0: the step's first sampling; k: its k-th dead-group retry
@@ -263,7 +264,7 @@ class RolloutService:
 
     def submit(
         self,
-        prompts: list[str],
+        prompts: list[str | list[dict]],
         *,
         weights: WeightsRef,
         step: int,
@@ -362,7 +363,7 @@ class RolloutService:
 
     def sample(
         self,
-        prompts: list[str],
+        prompts: list[str | list[dict]],
         *,
         weights_dir: str,
         content_id: str | None,
@@ -393,12 +394,15 @@ class RolloutService:
         }
         requests, start = [], 0
         for part, size in enumerate(ticket.parts):
-            fields = {**asked, "prompts": list(ticket.prompts[start : start + size]), "seed": ticket.seed + part}
+            prompts = list(ticket.prompts[start : start + size])
+            # Conversations go as `messages`: the worker renders them with the model's chat template.
+            kind = "messages" if is_conversation(prompts[0]) else "prompts"
+            fields = {**asked, kind: prompts, "seed": ticket.seed + part}
             start += size
             digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
             run, tag = _id_part(self.cfg.run_dir.name[:40]), _id_part(ticket.tag[:12])
             name = f"{run}-{tag}-s{ticket.step:08d}-a{ticket.attempt}-p{part}-{digest}"
-            requests.append(Request(request_id=name, **fields))
+            requests.append(msgspec.convert({"request_id": name, **fields}, Request))
         if not requests:
             return requests
         # One call id on every part, so that workers leave the other parts to their idle peers; from

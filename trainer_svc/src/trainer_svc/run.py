@@ -26,7 +26,7 @@ from . import gates, outputs
 from .canary import Canary
 from .checkpoint import Checkpoint, RunState
 from .config import Config, dump
-from .data import PromptStream, load_problems
+from .data import PromptStream, check_chat_template, load_problems
 from .model import (
     Distributed,
     compile_enabled,
@@ -150,6 +150,7 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
 def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | None) -> Run:
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
+    check_chat_template(train_problems + held_out, tokenizer, cfg.model.path)
     verifier = Verifier()
     gate_figures = gates.run_all(
         cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier

@@ -49,7 +49,7 @@ class Sampler(Protocol):
 
     def submit(
         self,
-        prompts: list[str],
+        prompts: list[str | list[dict]],
         *,
         weights: WeightsRef,
         step: int,
@@ -66,7 +66,7 @@ class Sampler(Protocol):
 
     def sample(
         self,
-        prompts: list[str],
+        prompts: list[str | list[dict]],
         *,
         weights_dir: str,
         content_id: str | None,

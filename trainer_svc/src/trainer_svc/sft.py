@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .data import Problem, load_problems
+from .data import DataError, Problem, is_conversation, load_problems
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,12 @@ def run_sft(cfg: Config) -> dict:
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     train_problems, _ = load_problems(cfg.data, cfg.run.seed)
+    unfit = next((p for p in train_problems if p.gold is None or is_conversation(p.prompt)), None)
+    if unfit is not None:
+        raise DataError(
+            f"row {unfit.id}: the warm-up trains on text prompts followed by their answer, and this row has "
+            f"{'no answer' if unfit.gold is None else 'a conversation'}; warm up on text rows with answers"
+        )
     seen = rng.sample(train_problems, min(sft.problems, len(train_problems)))
     tokenizer = AutoTokenizer.from_pretrained(sft.base)
     model = AutoModelForCausalLM.from_pretrained(sft.base, dtype=torch.float32)
