@@ -36,13 +36,13 @@ venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
 $(ROLLOUT)/.installed: protocol/pyproject.toml rollout_svc/pyproject.toml
 	$(PYTHON) -m venv $(ROLLOUT)
-	$(ROLLOUT)/bin/pip install --quiet $(PIP_EXTRA) -e 'protocol[test]' -e 'rollout_svc[$(VLLM_FLAVOR)]'
+	$(ROLLOUT)/bin/pip install --quiet $(PIP_EXTRA) -e 'protocol[test,parquet]' -e 'rollout_svc[$(VLLM_FLAVOR)]'
 	$(if $(filter cpu,$(VLLM_FLAVOR)),$(ROLLOUT)/bin/pip uninstall --quiet -y $(CPU_ONLY_BREAKAGE))
 	touch $@
 
 $(TRAINER)/.installed: protocol/pyproject.toml trainer_svc/pyproject.toml
 	$(PYTHON) -m venv $(TRAINER)
-	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) $(TORCH_SPEC) -e 'protocol[test]' -e 'trainer_svc[math]'
+	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) $(TORCH_SPEC) -e 'protocol[test,parquet]' -e 'trainer_svc[math]'
 	touch $@
 
 tiny-model: $(TINY_MODEL)/config.json

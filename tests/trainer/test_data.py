@@ -10,12 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainer_svc.config import DataConfig
 from trainer_svc.data import (
     DataError,
     Problem,
     PromptStream,
     arithmetic_problems,
-    read_gsm8k,
+    check_chat_template,
+    load_problems,
     read_prompt_file,
     split,
 )
@@ -83,101 +85,65 @@ def test_arithmetic_rejects_bad_arguments(low, high, ops, message):
         arithmetic_problems(low, high, ops)
 
 
-# -- reading prompt files ------------------------------------------------------------------------
+# -- prompt files (the rules of each field and bad row: tests/unit/test_rows.py) -----------------
 
 
-def test_gsm8k_rows_with_template_and_normalised_golds(tmp_path):
+def test_a_prompt_file_gives_problems_with_their_fields(tmp_path):
     path = write_lines(
         tmp_path / "gsm8k.jsonl",
         [
-            {"question": "How many?", "answer": "3 * 4 = 12\n#### 1,234"},
+            {"question": "How many?", "answer": "3 * 4 = 12\n#### 1,234", "level": 2},
             "",
-            {"question": "And now?", "answer": "#### 42.0", "extra": [1]},
+            {"question": "And?", "answer": 7, "level": 1},
         ],
     )
-    got = read_gsm8k(path, template="Q: {question}\nA:")
-    assert got == [
-        Problem("gsm8k-1", "Q: How many?\nA:", "1234"),
-        Problem("gsm8k-3", "Q: And now?\nA:", "42"),
-    ]
-
-
-def test_prompt_gold_rows_accept_strings_and_numbers(tmp_path):
-    path = write_lines(
-        tmp_path / "tasks.jsonl",
-        [{"prompt": "2+2=", "gold": 4}, {"prompt": "half", "gold": "0.5"}, {"prompt": "big", "gold": " 1,000 "}],
-    )
     assert read_prompt_file(path) == [
-        Problem("tasks-1", "2+2=", "4"),
-        Problem("tasks-2", "half", "0.5"),
-        Problem("tasks-3", "big", "1000"),
+        Problem("gsm8k-1", "How many?", "1234", {"level": 2}),
+        Problem("gsm8k-3", "And?", "7", {"level": 1}),
     ]
 
 
-def test_both_readers_accept_both_shapes_in_one_file(tmp_path):
-    path = write_lines(tmp_path / "mixed.jsonl", [{"question": "q", "answer": "#### 1"}, {"prompt": "p", "gold": "2"}])
-    expected = [Problem("mixed-1", "q", "1"), Problem("mixed-2", "p", "2")]
-    assert read_gsm8k(path) == expected
-    assert read_prompt_file(path) == expected
+def test_the_data_section_chooses_fields_template_and_chat(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [{"problem": f"{i}+1", "target": i + 1, "src": "x"} for i in range(4)])
+    data = DataConfig(
+        task="file", path=path, prompt_field="problem", answer_field="target", template="Compute {problem}.",
+        chat=True, system_prompt="Answer with a number.", held_out=1,
+    )  # fmt: skip
+    train, held_out = load_problems(data, seed=0)
+    assert len(train) == 3 and len(held_out) == 1
+    first = sorted(train + held_out, key=lambda p: p.id)[0]
+    assert first == Problem(
+        "t-1",
+        [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "Compute 0+1."}],
+        "1",
+        {"src": "x"},
+    )
 
 
-BAD_ROWS = [
-    ("{not json", "not JSON"),
-    ("[1, 2]", "expected a JSON object, got list"),
-    ('"text"', "expected a JSON object, got str"),
-    ({"text": "hi"}, "expected keys"),
-    ({"question": "q", "answer": "#### 1", "prompt": "p"}, "mixes GSM8K keys"),
-    ({"question": "q"}, "missing 'answer'"),
-    ({"answer": "#### 1"}, "missing 'question'"),
-    ({"question": "q", "answer": "42"}, "no '#### <number>' line"),
-    ({"question": "q", "answer": "so ####  "}, "'####'"),
-    ({"question": "q", "answer": "#### forty"}, "'####'"),
-    ({"question": 7, "answer": "#### 1"}, "'question' must be a string, got int"),
-    ({"question": "  ", "answer": "#### 1"}, "'question' is empty"),
-    ({"prompt": "p"}, "missing 'gold'"),
-    ({"gold": "1"}, "missing 'prompt'"),
-    ({"prompt": "", "gold": "1"}, "'prompt' is empty"),
-    ({"prompt": "p", "gold": True}, "'gold' must be a string or a number, got bool"),
-    ({"prompt": "p", "gold": [1]}, "'gold' must be a string or a number, got list"),
-    ({"prompt": "p", "gold": None}, "'gold' must be a string or a number, got NoneType"),
-    ({"prompt": "p", "gold": " "}, "gold answer is empty"),
-]
-
-
-@pytest.mark.parametrize("reader", [read_gsm8k, read_prompt_file])
-@pytest.mark.parametrize("row, message", BAD_ROWS)
-def test_bad_rows_name_file_line_and_problem(tmp_path, reader, row, message):
-    path = write_lines(tmp_path / "bad.jsonl", [{"prompt": "fine", "gold": "1"}, row])
-    with pytest.raises(DataError) as caught:
-        reader(path)
-    assert str(caught.value).startswith(f"{path}:2: ")
-    assert message in str(caught.value)
-
-
-def test_a_line_that_is_not_utf8_is_named(tmp_path):
-    path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"prompt": "ok", "gold": "1"}\n\n{"prompt": "caf\xe9", "gold": "1"}\n')
-    with pytest.raises(DataError, match=rf"^{path}:3: not UTF-8"):
-        read_gsm8k(path)
-
-
-@pytest.mark.parametrize("content", ["", "\n  \n\n"])
-def test_a_file_without_rows_is_an_error(tmp_path, content):
-    path = tmp_path / "empty.jsonl"
-    path.write_text(content)
-    with pytest.raises(DataError, match=rf"^{path}: no rows$"):
-        read_prompt_file(path)
+def test_a_bad_row_is_a_data_error_naming_the_row(tmp_path):
+    path = write_lines(tmp_path / "bad.jsonl", [{"prompt": "fine", "gold": "1"}, {"prompt": "p", "gold": [1]}])
+    with pytest.raises(DataError, match=rf"^{path}:2: field 'gold' must be text or a number"):
+        load_problems(DataConfig(task="file", path=path, held_out=0), seed=0)
 
 
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 
 
-@pytest.mark.parametrize("template", ["{prompt}", "{0}", "{question"])
-def test_a_template_with_other_fields_is_refused(tmp_path, template):
-    path = write_lines(tmp_path / "g.jsonl", [{"question": "q", "answer": "#### 1"}])
-    with pytest.raises(ValueError, match="template"):
-        read_gsm8k(path, template=template)
+def test_conversations_need_a_chat_template(tmp_path, tiny_model):
+    """The tiny model's tokenizer has none: refused at launch, naming the row and the way out."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert not tokenizer.chat_template
+    rows = [Problem("a-1", "plain", "1"), Problem("a-2", [{"role": "user", "content": "hi"}], "2")]
+    with pytest.raises(
+        DataError, match=r"^row a-2 is a conversation, but the model .* has no chat template.*`prompt` rows"
+    ):
+        check_chat_template(rows, tokenizer, str(tiny_model))
+    check_chat_template(rows[:1], tokenizer, str(tiny_model))  # text rows need none
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    check_chat_template(rows, tokenizer, str(tiny_model))
 
 
 # -- split ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ a relaunch never stops on an error result an earlier launch got."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -98,6 +99,29 @@ def test_a_call_is_split_over_the_live_workers_and_gathered_in_prompt_order(tmp_
         one = service.submit(["1+1="], weights=WEIGHTS, step=8, attempt=0, seed=1)
         assert one.parts == (1,)  # never more requests than prompts
         assert [g.samples[0].text for g in service.collect(one)] == ["1+1="]
+    finally:
+        service.close()
+
+
+def test_conversations_are_sent_as_messages_and_the_samples_gathered_in_order(tmp_path, workers):
+    """The trainer sends chat rows for the worker to render; an echo worker answers each with its
+    last turn, so each group is seen to come back to its own conversation."""
+    workers.start("echo-a")
+    service = RolloutService(service_config(tmp_path, max_tokens=16))
+    try:
+        chats = [
+            [{"role": "system", "content": "s"}, {"role": "user", "content": f"what is {i}+{i}?"}] for i in range(3)
+        ]
+        ticket = service.submit(chats, weights=WEIGHTS, step=1, attempt=0, seed=1)
+        groups = service.collect(ticket)
+        assert [g.samples[0].text for g in groups] == [f"what is {i}+{i}?" for i in range(3)]
+        (request_id,) = ticket.request_ids
+        spool = Spool(tmp_path / "spool")
+        archived(spool)
+        request = json.loads(spool.done.joinpath(f"{request_id}.request.json").read_text())
+        assert request["messages"] == chats and request["prompts"] == []
+        # The same call, made again (a relaunch), names the same request.
+        assert service.submit(chats, weights=WEIGHTS, step=1, attempt=0, seed=1).request_ids == ticket.request_ids
     finally:
         service.close()
 

@@ -15,7 +15,7 @@ import protocol.evaluation as evaluation
 from protocol.answers import extract_number, gold_from_answer, normalise_number
 from protocol.cli import app
 from protocol.client import SpoolClient
-from protocol.evaluation import EvalRow, RowError, read_rows, run_eval, write_rows
+from protocol.evaluation import RowFormat, read_rows, run_eval, write_rows
 from protocol.messages import ErrorCode
 from rollout_svc.engines import RequestFailed
 from rollout_svc.engines.echo import EchoEngine
@@ -39,86 +39,7 @@ def client_for(spool) -> SpoolClient:
     return SpoolClient(spool.root, create=False, rescan_s=0.1)
 
 
-# -- read_rows -----------------------------------------------------------------------------------
-
-
-def test_plain_prompts(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2="}, {"prompt": "", "extra": [1]}])
-    rows = read_rows(path)
-    assert rows == [EvalRow("2+2=", None, {"prompt": "2+2="}), EvalRow("", None, {"prompt": "", "extra": [1]})]
-
-
-def test_gsm8k_rows_with_a_template(tmp_path):
-    path = write_jsonl(
-        tmp_path / "g.jsonl",
-        [
-            {"question": "How many?", "answer": "Work it out.\n#### 1,234"},
-            {"question": "Owed?", "answer": "#### -7"},
-        ],
-    )
-    rows = read_rows(path, template="Q: {question}\nA:")
-    assert [(r.prompt, r.gold) for r in rows] == [("Q: How many?\nA:", "1234"), ("Q: Owed?\nA:", "-7")]
-    assert rows[0].source == {"question": "How many?", "answer": "Work it out.\n#### 1,234"}
-    assert read_rows(path)[0].prompt == "How many?"  # the default template is the question
-
-
-def test_a_prompt_field_wins_over_question_and_answer(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "question": "q", "answer": "#### 1"}])
-    assert [(r.prompt, r.gold) for r in read_rows(path)] == [("p", None)]
-
-
-def test_blank_lines_are_skipped_and_lines_still_counted(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", ["", {"prompt": "a"}, "   ", "\t", {"prompt": "b"}, ""])
-    assert [r.prompt for r in read_rows(path)] == ["a", "b"]
-    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, "", "oops"])
-    with pytest.raises(RowError, match=rf"^{path}:3: not JSON"):
-        read_rows(path)
-
-
-@pytest.mark.parametrize(
-    "line, message",
-    [
-        ("{not json", "not JSON"),
-        ('{"prompt": "a"', "not JSON"),
-        ('["a", "b"]', "expected an object with 'prompt', or 'question' and 'answer'"),
-        ('"just a string"', "expected an object"),
-        ("42", "expected an object"),
-        ("{}", "expected a string 'prompt', or string 'question' and 'answer'"),
-        ('{"question": "q"}', "expected a string 'prompt'"),
-        ('{"answer": "#### 3"}', "expected a string 'prompt'"),
-        ('{"prompt": 7}', "expected a string 'prompt'"),
-        ('{"question": "q", "answer": 3}', "expected a string 'prompt'"),
-        ('{"question": "q", "answer": "three"}', "answer has no '#### <number>' line"),
-    ],
-)
-def test_each_bad_row_names_its_file_and_line(tmp_path, line, message):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "fine"}, "", line, {"prompt": "after"}])
-    with pytest.raises(RowError) as info:
-        read_rows(path)
-    assert str(info.value).startswith(f"{path}:3: ")
-    assert message in str(info.value)
-
-
-@pytest.mark.parametrize("content", ["", "\n\n  \n"])
-def test_a_file_without_rows(tmp_path, content):
-    path = tmp_path / "empty.jsonl"
-    path.write_text(content)
-    with pytest.raises(RowError, match=f"^{path} holds no rows$"):
-        read_rows(path)
-
-
-def test_a_row_that_is_not_utf8_is_a_row_error(tmp_path):
-    path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
-    with pytest.raises(RowError, match=rf"^{path}:2: "):
-        read_rows(path)
-
-
-@pytest.mark.parametrize("answer", ["#### ", "It is 4. ####", "#### four"])
-def test_an_answer_without_a_number_after_the_marker_is_refused(tmp_path, answer):
-    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": answer}])
-    with pytest.raises(RowError, match=rf"^{path}:1: "):
-        read_rows(path)
+# Reading prompt files (JSONL and Parquet, every field rule and bad row): tests/unit/test_rows.py.
 
 
 # -- numbers -------------------------------------------------------------------------------------
@@ -184,19 +105,40 @@ def test_normalise_number(text, normal):
 
 
 def test_run_eval_scores_every_row_exactly(spool, run_worker, tmp_path):
-    rows = read_rows(write_jsonl(tmp_path / "g.jsonl", [*GSM8K, {"prompt": "plain 99", "id": 4}]))
+    rows = read_rows(write_jsonl(tmp_path / "g.jsonl", GSM8K))
     run_worker(spool)
     with client_for(spool) as client:
         report = run_eval(client, rows, weights_dir="/models/echo", max_tokens=64, prompts_per_request=64)
     assert report.accuracy == pytest.approx(2 / 3)
     assert report.seconds > 0
-    assert [r["completions"] for r in report.rows] == [[g["question"]] for g in GSM8K] + [["plain 99"]]
-    assert [r.get("correct") for r in report.rows] == [[True], [True], [False], None]
-    assert [r.get("predicted") for r in report.rows] == [["42"], ["5"], ["5"], None]
-    assert [r.get("gold") for r in report.rows] == ["42", "5", "4", None]
-    for source, out in zip([*GSM8K, {"prompt": "plain 99", "id": 4}], report.rows, strict=True):
-        assert {k: out[k] for k in source} == source  # input fields are kept
-    assert report.rows[0]["prompt"] == GSM8K[0]["question"]
+    assert [r["completions"] for r in report.rows] == [[g["question"]] for g in GSM8K]
+    assert [r["correct"] for r in report.rows] == [[True], [True], [False]]
+    assert [r["predicted"] for r in report.rows] == [["42"], ["5"], ["5"]]
+    assert [r["gold"] for r in report.rows] == ["42", "5", "4"]
+    assert [r["id"] for r in report.rows] == [1, 2, 3]  # the row's other fields are kept
+    assert [r["prompt"] for r in report.rows] == [g["question"] for g in GSM8K]  # the prompt as sent
+
+
+def test_run_eval_sends_conversations_for_the_worker_to_render(spool, run_worker, tmp_path, wait_for):
+    """Chat rows go out as `messages`, with the system prompt: the producer needs no tokenizer.
+    (The echo engine answers a conversation with its last turn.)"""
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [{"messages": [{"role": "user", "content": f"{a} plus {a} is {2 * a}"}], "answer": 2 * a} for a in (3, 4)],
+    )
+    rows = read_rows(path, RowFormat(system_prompt="Answer with a number."))
+    run_worker(spool)
+    with client_for(spool) as client:
+        report = run_eval(client, rows, weights_dir="/models/echo", max_tokens=64, name="chat")
+    assert report.accuracy == 1.0
+    (served,) = served_requests(spool, wait_for, 1)
+    request = json.loads((spool.done / served).read_text())
+    assert request["prompts"] == []  # no text: the worker renders the conversations
+    assert request["messages"][1] == [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "4 plus 4 is 8"},
+    ]
+    assert report.rows[1]["prompt"] == request["messages"][1]
 
 
 def served_requests(spool, wait_for, count: int) -> list[str]:
@@ -344,12 +286,38 @@ def test_spoolctl_eval_writes_completions_and_prints_the_accuracy(spool, run_wor
     assert len(served_requests(spool, wait_for, 2)) == 2
 
 
+def test_spoolctl_eval_takes_parquet_chat_rows_and_a_system_prompt(spool, run_worker, tmp_path, wait_for):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = tmp_path / "g.parquet"
+    pq.write_table(pa.Table.from_pylist(GSM8K), prompts)
+    out = tmp_path / "out.jsonl"
+    run_worker(spool)
+    result = runner.invoke(
+        app,
+        ["eval", "-s", str(spool.root), str(prompts), "--weights", "/models/echo", "--out", str(out)]
+        + ["--max-tokens", "64", "--chat", "--system-prompt", "Think, then answer."],
+    )
+    assert result.exit_code == 0, result.output
+    assert "accuracy 0.667" in result.output
+    (served,) = served_requests(spool, wait_for, 1)
+    conversations = json.loads((spool.done / served).read_text())["messages"]
+    assert conversations[0] == [
+        {"role": "system", "content": "Think, then answer."},
+        {"role": "user", "content": GSM8K[0]["question"]},
+    ]
+    assert [json.loads(line)["correct"] for line in out.read_text().splitlines()] == [[True], [True], [False]]
+
+
 def test_spoolctl_eval_refuses_a_bad_prompt_file_naming_the_line(spool, tmp_path):
-    prompts = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "", '{"question": "q", "answer": "no marker"}'])
+    prompts = write_jsonl(
+        tmp_path / "bad.jsonl", [{"question": "q", "answer": "#### 1"}, "", '{"question": "q", "answer": "#### no"}']
+    )
     out = tmp_path / "out.jsonl"
     result = runner.invoke(app, ["eval", "--spool", str(spool.root), prompts, "--weights", "/m", "--out", str(out)])
     assert result.exit_code == 2
-    assert f"error: {prompts}:3: answer has no '#### <number>' line" in result.output
+    assert f"error: {prompts}:3: field 'answer': the text after '####' is not a number" in result.output
     assert not out.exists()
     assert os.listdir(spool.requests) == []
 

@@ -87,7 +87,8 @@ def run_eval(
     completions = [texts for request in requests for texts in results[request.request_id].texts]
     out, scored, correct = [], 0, 0
     for row, texts in zip(rows, completions, strict=True):
-        record = dict(row.fields, id=row.id, prompt=row.prompt, completions=texts)
+        # The row's other fields as read, the prompt as sent, and the gold (below) as scored.
+        record = dict(row.fields, prompt=row.prompt, completions=texts)
         if row.gold is not None:
             predicted = [extract_answer(t) for t in texts]
             hits = [verdict(p, row.gold) is True for p in predicted]

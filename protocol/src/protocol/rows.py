@@ -143,8 +143,8 @@ def _first_present(record: dict, keys: tuple[str, ...], where: str, what: str) -
 
 
 def _row(path: Path, where: str, record: dict, prompt_key: str, answer_key: str, fmt: RowFormat) -> Row:
-    if prompt_key not in record:
-        raise RowError(f"{where}: missing the prompt field '{prompt_key}' (got {sorted(record)})")
+    if record.get(prompt_key) is None:  # Parquet holds a field a row lacks as null
+        raise RowError(f"{where}: the prompt field '{prompt_key}' is missing or null (the row has {sorted(record)})")
     value = record[prompt_key]
     if isinstance(value, str):
         prompt = _text_prompt(value, record, prompt_key, where, fmt)
@@ -205,8 +205,8 @@ def _conversation(turns: list, where: str, key: str) -> list[dict]:
 
 
 def _gold(record: dict, key: str, where: str) -> str:
-    if key not in record:
-        raise RowError(f"{where}: missing the answer field '{key}' (got {sorted(record)})")
+    if record.get(key) is None:
+        raise RowError(f"{where}: the answer field '{key}' is missing or null (the row has {sorted(record)})")
     value = record[key]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise RowError(f"{where}: field '{key}' must be text or a number, got {type(value).__name__}")
