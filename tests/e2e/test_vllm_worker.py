@@ -17,7 +17,7 @@ import time
 import pytest
 from conftest import ServedWorker, keep_running, poll, stop_worker, wait_for_status
 
-from protocol.messages import ErrorCode, Request
+from protocol.messages import ChatTurn, ErrorCode, Request
 from protocol.spool import Spool
 
 pytestmark = pytest.mark.timeout(900)
@@ -224,6 +224,28 @@ def test_a_prompt_too_long_fails_alone(worker, models, client_for):
     assert long_result.error.code == ErrorCode.PROMPT_TOO_LONG
     assert f"limit of {MAX_MODEL_LEN}" in long_result.error.message
     assert fine_result.ok and len(fine_result.texts[0]) == 2
+
+
+def test_conversations_for_a_model_without_a_chat_template_fail_alone(worker, models, client_for):
+    """The tiny model's tokenizer has no chat template: the chat request gets no_chat_template,
+    naming the way out, and a text request served in the same engine call is answered."""
+    client = client_for(worker["spool"].root)
+    chat_request = Request(
+        request_id=f"chat-{time.time_ns()}", weights_dir=str(models["a"]),
+        messages=[[ChatTurn("user", "1+1=")]], n_samples_per_prompt=1, max_tokens=4, temperature=0.0,
+    )  # fmt: skip
+    text_request = Request(
+        request_id=f"text-{time.time_ns()}", weights_dir=str(models["a"]), prompts=["1+1="],
+        n_samples_per_prompt=1, max_tokens=4, temperature=0.0,
+    )  # fmt: skip
+    client.submit_many([chat_request, text_request])
+    results = client.wait([chat_request.request_id, text_request.request_id], timeout_s=600)
+    refused = results[chat_request.request_id]
+    assert refused.error.code == ErrorCode.NO_CHAT_TEMPLATE
+    assert "no chat template" in refused.error.message and "`prompts`" in refused.error.message
+    assert results[text_request.request_id].ok
+    # The request is at fault: kept in bad/ for its sender.
+    assert poll(worker["spool"].bad_path(f"{chat_request.request_id}.json").exists, until=bool)
 
 
 def test_expected_content_id_guards_against_a_replaced_directory(worker, models, client_for):
