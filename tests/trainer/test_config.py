@@ -54,7 +54,12 @@ BAD = {
     "samples_per_prompt 1": (MINIMAL + "[rollout]\nsamples_per_prompt = 1\n", "`$.rollout.samples_per_prompt`", ">= 2"),
     "bad choice": (MINIMAL + '[loss]\ndenominator = "tokens"\n', "`$.loss.denominator`", "'tokens'"),
     "betas of one": (MINIMAL + "[train]\nbetas = [0.9]\n", "`$.train.betas`", "length 2"),
-    "task file without path": (MINIMAL + '[data]\ntask = "file"\n', "`$.data`", "data.path must name a JSONL file"),
+    "task file without path": (
+        MINIMAL + '[data]\ntask = "file"\n',
+        "`$.data`",
+        "data.path must name a JSONL or Parquet file",
+    ),
+    "chat on arithmetic": (MINIMAL + "[data]\nchat = true\n", "`$.data`", "apply to prompt files"),
     "arithmetic_high < low": (
         MINIMAL + "[data]\narithmetic_low = 5\narithmetic_high = 2\n",
         "`$.data`",
