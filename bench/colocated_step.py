@@ -110,6 +110,8 @@ def watch(command: list[str], metrics: Path, log_path: Path, timeout_s: float) -
                 proc.wait(60)
                 break
             lines = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+            if lines > len(seen) and lines % 10 == 0:
+                print(f"{time.monotonic() - started:.0f} s: {lines} steps", flush=True)
             seen += [time.monotonic() - started] * (lines - len(seen))
             time.sleep(0.02)
     lines = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
@@ -202,6 +204,7 @@ def main() -> None:
     run_dir = work / "run"
     config_path = work / "colocated.toml"
     config_path.write_bytes(msgspec.toml.encode(config(args, run_dir, rows_path, gpu)))
+    print(f"launching the trainer: {config_path}", flush=True)
     code, arrived = watch(
         [*trainer_command(), "train", str(config_path)], run_dir / "metrics.jsonl", work / "trainer.log", args.timeout
     )
