@@ -3,16 +3,22 @@ utilisation (MFU) against the card's bf16 peak.
 
     python bench/trainer_mfu.py [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
                                 [--completion-tokens 768] [--micro 8,16] [--checkpointing on,off]
-                                [--compile on,off] [--steps 3] [--json OUT]
+                                [--compile on,off] [--steps 10] [--max-warmup 8] [--json OUT]
 
 A Qwen2.5-shaped model (config only, random weights, bf16 on the GPU) takes trainer_svc's own
 optimizer step (`train_step.train_step`: the clipped GRPO loss over micro-batches, gradient
 clipping, AdamW) on a synthetic step of `--sequences` sequences, each a prompt and a completion of
 random tokens; completion lengths vary from half to all of `--completion-tokens`, as sampled
 completions do. Measured for each micro-batch size, with and without activation checkpointing,
-with and without torch.compile (model.compile: the decoder layers and the log-prob math), after
-warm-up steps (the compiled runs compile there): seconds per step, tokens per second (real
-tokens, padding not counted), and MFU.
+with and without torch.compile (model.compile: the decoder layers and the log-prob math):
+seconds per step, tokens per second (real tokens, padding not counted), and MFU, as medians of
+--steps timed steps with their spread.
+
+Warm-up before timing: steps are taken, untimed for the figures, until one runs within 5% of the
+previous one's tokens per second (so at least two; a compiled model compiles in the first and may
+meet a shape in the second that it compiles for again; at most --max-warmup). Their seconds are
+reported apart (`warmup_s`), with `compile_s`: what the warm-up took beyond as many steady
+steps (the compilation, with the allocator's and the kernels' first-use costs).
 
 Model FLOPs per step (what the step must compute, whatever it recomputes): for each sequence of
 S tokens of which C were generated, 6 x N_layers x S (forward and backward of every weight matrix
@@ -40,6 +46,14 @@ from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
 
 PEAK_BF16_FLOPS = 989.4e12
 TARGET_MFU = 0.40
+STEADY = 0.05  # warm-up ends at a step within this fraction of the previous one's tokens per second
+# A tiny shape for checking the script on a CPU (`--shape tiny --sequences 8 --prompt-tokens 16
+# --completion-tokens 16`); its figures mean nothing.
+MFU_SHAPES = {
+    **SHAPES,
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1),
+}  # fmt: skip
 
 
 def device() -> str:
@@ -61,7 +75,7 @@ def make_model(shape: str, checkpointing: bool, compiled: bool):
 
     config = Qwen2Config(
         vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **MFU_SHAPES[shape],
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device()):
@@ -110,7 +124,7 @@ def step_flops(batch, n_layers: int, n_out: int, layers: int, hidden: int) -> fl
     return float((6 * n_layers * lengths + 6 * n_out * generated + 6 * layers * hidden * lengths**2).sum())
 
 
-def run(args, checkpointing: bool, micro: int, compiled: bool) -> dict:
+def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = False) -> dict:
     import msgspec
     import torch
 
@@ -136,78 +150,82 @@ def run(args, checkpointing: bool, micro: int, compiled: bool) -> dict:
     model = make_model(args.shape, checkpointing, compiled)
     optimizer, dist_info = make_optimizer(model, cfg), Distributed(0, 1, torch.device(device()))
     scheduler = make_scheduler(optimizer, cfg)
-    shape = SHAPES[args.shape]
+    shape = MFU_SHAPES[args.shape]
     n_layers, n_out = matmul_parameters(model)
-    warmup = 2 if compiled else 1  # compiled: the second step may meet a shape the first did not
-    seconds, tokens, flops = [], [], []
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    for step in range(args.steps + warmup):
-        groups, advantages = synthetic_step(args, seed=step)
+
+    def step(seed: int) -> tuple[float, int, float]:
+        """One optimizer step on a fresh synthetic batch: (seconds, real tokens, model FLOPs)."""
+        groups, advantages = synthetic_step(args, seed=seed)
         batch = collate(groups, advantages, pad_id=0).to(dist_info.device)
         totals = StepTotals(tokens=int(batch.mask.sum()), sequences=len(batch))
         synchronize()
         started = time.perf_counter()
         train_step(model, None, optimizer, scheduler, [(batch, totals)], cfg, dist_info)
         synchronize()
-        if step >= warmup:
-            seconds.append(time.perf_counter() - started)
-            tokens.append(int(batch.attention_mask.sum()))
-            flops.append(step_flops(batch, n_layers, n_out, shape["num_hidden_layers"], shape["hidden_size"]))
+        flops = step_flops(batch, n_layers, n_out, shape["num_hidden_layers"], shape["hidden_size"])
+        return time.perf_counter() - started, int(batch.attention_mask.sum()), flops
+
+    warmup = warm_up(step, most=args.max_warmup)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    if profiled:
+        from torch.profiler import ProfilerActivity
+
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(len(warmup))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    seconds, tokens, flops = zip(*(step(len(warmup) + i) for i in range(args.steps)), strict=True)
     s = statistics.median(seconds)
+    rates = [t / x for t, x in zip(tokens, seconds, strict=True)]
     row = {
         "activation_checkpointing": checkpointing,
         "compiled": compiled,
         "micro_batch": micro,
         "step_s": round(s, 3),
-        "tokens_per_s": round(statistics.median(t / x for t, x in zip(tokens, seconds, strict=True))),
+        "tokens_per_s": round(statistics.median(rates)),
         "mfu": round(statistics.median(f / x for f, x in zip(flops, seconds, strict=True)) / PEAK_BF16_FLOPS, 4),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
+        # Spread of the timed steps: (slowest - fastest) / median of tokens per second.
+        "spread": round((max(rates) - min(rates)) / statistics.median(rates), 3),
         "steps_s": [round(x, 3) for x in seconds],
+        "warmup_s": [round(x, 3) for x in warmup],
+        "compile_s": round(sum(warmup) - len(warmup) * s, 1),
     }
-    del model, optimizer
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return row
+    return row  # the model, its optimizer and the step that holds them are freed with this frame
+
+
+def warm_up(step, most: int) -> list[float]:
+    """Untimed steps until one's tokens per second is within STEADY of the previous one's (at
+    least two, at most `most`); their seconds."""
+    seconds, rates = [], []
+    while len(seconds) < max(most, 2):
+        took, tokens, _ = step(len(seconds))
+        seconds.append(took)
+        rates.append(tokens / took)
+        if len(rates) > 1 and abs(rates[-1] - rates[-2]) <= STEADY * rates[-2]:
+            break
+    return seconds
 
 
 def profile(args) -> None:
-    """Where one step's GPU time goes, by kernel (after a warm-up step)."""
-    import torch
-    from torch.profiler import ProfilerActivity
-
-    import trainer_svc.train_step as train_step_module
-
-    steps, real = [], train_step_module.train_step
-
-    def recorded(*a, **k):
-        if len(steps) == 1:
-            with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                out = real(*a, **k)
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-        else:
-            out = real(*a, **k)
-        steps.append(1)
-        return out
-
-    train_step_module.train_step = recorded
+    """Where one step's GPU time goes, by kernel: the first step after the warm-up."""
     args.steps = 1
     checkpointing = args.checkpointing.split(",")[0] == "on"
     compiled = args.compile.split(",")[0] == "on"
-    print(json.dumps(run(args, checkpointing, int(args.micro.split(",")[0]), compiled)))
+    print(json.dumps(run(args, checkpointing, int(args.micro.split(",")[0]), compiled, profiled=True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="1.5b", choices=sorted(MFU_SHAPES))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--completion-tokens", type=int, default=768)
     parser.add_argument("--micro", default="8,16", help="sequences per micro-batch, comma-separated")
     parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
     parser.add_argument("--compile", default="on,off", help="on, off, or both")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
+    parser.add_argument("--max-warmup", type=int, default=8, help="most untimed steps before timing")
     parser.add_argument("--profile", action="store_true", help="profile one step of the first configuration")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -227,6 +245,8 @@ def main() -> None:
     for checkpointing, compiled, micro in configurations:
         try:
             rows.append(run(args, checkpointing, micro, compiled))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the last configuration's memory, for the next
         except torch.cuda.OutOfMemoryError:
             rows.append(
                 {"activation_checkpointing": checkpointing, "compiled": compiled, "micro_batch": micro}
@@ -246,14 +266,21 @@ def main() -> None:
         "target_mfu": TARGET_MFU,
         "rows": rows,
     }
-    print("| checkpointing | compiled | micro-batch | step s | tokens/s | MFU | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| checkpointing | compiled | micro-batch | step s | tokens/s | MFU | spread | warm-up steps | compile s |",
+        end="",
+    )
+    print(" peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         head = f"| {r['activation_checkpointing']} | {r['compiled']} | {r['micro_batch']} |"
         if "error" in r:
-            print(f"{head} {r['error']} | | | |")
+            print(f"{head} {r['error']} | | | | | | |")
         else:
-            print(f"{head} {r['step_s']} | {r['tokens_per_s']:,} | {r['mfu']:.1%} | {r['peak_memory_gib']} |")
+            print(
+                f"{head} {r['step_s']} | {r['tokens_per_s']:,} | {r['mfu']:.1%} | {r['spread']:.1%} | "
+                f"{len(r['warmup_s'])} | {r['compile_s']} | {r['peak_memory_gib']} |"
+            )
     print(json.dumps(data))
     if args.json:
         Path(args.json).write_text(json.dumps(data) + "\n")

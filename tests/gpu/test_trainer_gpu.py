@@ -1,9 +1,8 @@
 """The trainer on GPUs, end to end as a user runs it: `trainer-svc sft`, then `trainer-svc train`,
 which spawns a vLLM worker and talks to it through the spool.
 
-    one GPU     rollout.colocate: trainer and worker share GPU 0; the worker, on its share of
-                the GPU, sleeps when the trainer leaves it idle for 0.5 s (--sleep-when-idle)
-                and is woken by the next request
+    one GPU     rollout.colocate: trainer and worker share GPU 0; the worker stays awake on its
+                share of the GPU (the trainer is capped at the rest), so both fit at once
     two GPUs    the trainer on GPU 0, the worker on GPU 1 (the topology gate's default)
 
 Each learns for real in float32 (the tiny model learns at lr 1e-4; a bf16 update of that size is
@@ -103,7 +102,7 @@ def check_learned(run_dir: Path, done: subprocess.CompletedProcess) -> None:
     assert os.listdir(run_dir / "spool" / "claimed") == [] and not list((run_dir / "spool" / "workers").iterdir())
 
 
-def test_one_gpu_colocated_learns_beside_a_worker_in_sleep_mode(warm):
+def test_one_gpu_colocated_learns_beside_a_worker_that_stays_awake(warm):
     base_dir, base, model = warm
     run_dir = base_dir / "colocated"
     config = write_config(base_dir / "colocated.toml", run_dir, model, base, steps=STEPS, colocate=True)
@@ -113,10 +112,10 @@ def test_one_gpu_colocated_learns_beside_a_worker_in_sleep_mode(warm):
     banner = json.loads((run_dir / "stage_result.json").read_text())["banner"]
     assert "rollout.colocate" in banner["topology"]["rollout_device"]
     log = (run_dir / "rollout-worker.log").read_text()
-    # Built for sleep mode on its share of the GPU. It falls asleep when no request comes for
-    # 0.5 s; this tiny model's train phase lasts about 30 ms, so here it rarely does (a sleep and
-    # a wake would cost more than they free). Sleeping and waking: tests/gpu/test_sleep_gpu.py.
-    assert "'enable_sleep_mode': True" in log and "'gpu_memory_utilization': 0.3" in log
+    # On its share of the GPU, never asleep (rollout.colocate_sleep_s = 0, the default): it
+    # generates the next step while the trainer trains. Sleeping and waking: test_sleep_gpu.py.
+    assert "'gpu_memory_utilization': 0.3" in log
+    assert "'enable_sleep_mode': True" not in log and "engine asleep" not in log
 
 
 def test_two_gpus_trainer_on_one_worker_on_the_other_learns(warm):

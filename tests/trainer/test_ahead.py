@@ -77,14 +77,21 @@ def test_ahead_sends_the_next_step_before_training_and_logs_its_staleness(warm_m
     assert any(row["reward_trained"] != pytest.approx(row["reward_first"]) for row in found)
 
 
-def test_a_resume_takes_over_the_calls_in_flight_and_sends_none_twice(warm_model, tmp_path):
-    straight = ahead_config(tmp_path / "straight", warm_model)
+@pytest.mark.parametrize(
+    "spares",
+    [{}, {"spare_prompts": 1, "spare_prompts_max": 12}],
+    ids=["no-spares", "spares-sized-from-the-dead-rate"],
+)
+def test_a_resume_takes_over_the_calls_in_flight_and_sends_none_twice(warm_model, tmp_path, spares):
+    straight = ahead_config(tmp_path / "straight", warm_model, rollout=spares)
     assert train(straight, make_sampler=Launches()) == exit_codes.OK
     expected = without_timings(rows(straight.run_dir))
     assert len(expected) == 6
+    if spares:  # sized: the dead rate moved them off the floor, so a resume must know it
+        assert len({row["spares"] for row in expected}) > 1
 
     # Every launch takes one step, saves with the next step's call in flight, and stops (75).
-    interrupted = ahead_config(tmp_path / "interrupted", warm_model, run={"max_wall_seconds": 1e-6})
+    interrupted = ahead_config(tmp_path / "interrupted", warm_model, run={"max_wall_seconds": 1e-6}, rollout=spares)
     launches, codes = Launches(), []
     while not codes or codes[-1] == exit_codes.RESUMABLE_STOP:
         codes.append(train(interrupted, make_sampler=launches))

@@ -410,7 +410,10 @@ def test_topology_colocate_shares_rank_0s_gpu_only_when_asked(cfg, monkeypatch):
     assert gates.check_topology(shared, world_size=1, cuda_devices=0)["rollout_device"] == "cpu"
 
 
-def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_when_idle(cfg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sleep_s", [0.0, 2.5], ids=["awake", "colocate_sleep_s"])
+def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_only_when_asked(
+    cfg, tmp_path, monkeypatch, sleep_s
+):
     from trainer_svc.rollout import RolloutService
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
@@ -419,9 +422,8 @@ def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_when_idle
     script = venv / "bin" / "rollout-svc"
     script.write_text(f'#!/bin/sh\nprintf "%s " "$CUDA_VISIBLE_DEVICES" "$@" > "{record}"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    shared = replace(
-        cfg, rollout={"spawn": True, "colocate": True, "colocate_gpu_memory": 0.25, "rollout_venv": str(venv)}
-    )
+    rollout = {"spawn": True, "colocate": True, "colocate_gpu_memory": 0.25, "rollout_venv": str(venv)}
+    shared = replace(cfg, rollout={**rollout, "colocate_sleep_s": sleep_s})
     service = RolloutService(shared, world_size=1, cuda_devices=1)
     try:
         assert service.proc.wait(timeout=30) == 0
@@ -430,7 +432,11 @@ def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_when_idle
     gpu, *args = record.read_text().split()
     assert gpu == "5"
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.25"
-    assert float(args[args.index("--sleep-when-idle") + 1]) > 0  # 0 would never sleep
+    # Awake by default: it generates the next steps while the trainer trains (rollout.ahead).
+    if sleep_s:
+        assert float(args[args.index("--sleep-when-idle") + 1]) == sleep_s
+    else:
+        assert "--sleep-when-idle" not in args
 
 
 # -- horizon -------------------------------------------------------------------------------------

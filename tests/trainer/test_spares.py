@@ -1,10 +1,14 @@
 """Spare prompts (rollout.spare_prompts): a step's first sampling carries extra prompts whose live
 groups replace its dead ones at once; retries are sent only for what the spares cannot cover.
+With rollout.spare_prompts_max, as many spares as the measured dead rate asks for.
 The sampler here is scripted: which prompts come back dead (every sample wrong, so all rewards
 equal) and which live (half right) is fixed by the test."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
 import pytest
 import torch
 from conftest import make_config
@@ -14,6 +18,7 @@ from trainer_svc.model import Distributed
 from trainer_svc.rewards import Verifier
 from trainer_svc.rollout import Group, Sample, Ticket, WeightsRef
 from trainer_svc.sampling import StepSampler, summarize
+from trainer_svc.spares import SpareSizer
 
 WEIGHTS = WeightsRef("unused")
 
@@ -89,3 +94,86 @@ def test_without_spares_every_dead_group_is_retried(tmp_path):
     assert [(t.attempt, t.prompts) for t in sampler.submitted] == [(0, ("q0", "q1", "q2", "q3")), (1, ("q4", "q5"))]
     assert [p.prompt for p in rollouts.problems] == ["q4", "q1", "q2", "q3"]
     assert (rollouts.dead_initial, rollouts.spares_used, rollouts.dead_final) == (2, 0, 1)
+
+
+# -- spares sized from the measured dead rate (rollout.spare_prompts_max) --------------------------
+
+
+def sizer(own: int = 64, low: int = 16, high: int = 200, state: dict | None = None) -> SpareSizer:
+    cfg = make_config(
+        Path("unused"),
+        Path("unused"),
+        rollout={"prompts_per_step": own, "spare_prompts": low, "spare_prompts_max": high},
+    )
+    return SpareSizer(cfg.rollout, state)
+
+
+def test_the_spares_cover_the_dead_groups_at_the_measured_rate_with_a_margin():
+    spares = sizer()
+    assert spares.count() == 16  # nothing measured yet: spare_prompts
+    spares.observe(40, 80)  # d = 0.5
+    # Smallest S with S/2 - 32 >= 1.645 * sqrt((S + 64) / 4), by hand: S = 84 gives 10 < 10.006,
+    # S = 85 gives 10.5 >= 10.040.
+    assert spares.count() == 85
+    assert sizer(high=60, state=spares.state_dict()).count() == 60  # capped at spare_prompts_max
+
+
+def test_no_dead_groups_need_only_the_floor_and_all_dead_the_cap():
+    spares = sizer()
+    spares.observe(0, 80)
+    assert spares.count() == 16
+    spares = sizer()
+    spares.observe(80, 80)
+    assert spares.count() == 200
+
+
+def test_the_rate_follows_the_last_eight_first_samplings():
+    spares = sizer()
+    spares.observe(80, 80)
+    for _ in range(7):
+        spares.observe(0, 80)
+    assert spares.dead_rate() == pytest.approx(1 / 8)
+    spares.observe(0, 80)  # the all-dead sampling leaves the window
+    assert spares.dead_rate() == 0 and spares.count() == 16
+
+
+def test_fixed_spares_ignore_the_dead_rate():
+    spares = sizer(high=0)
+    spares.observe(80, 80)
+    assert spares.count() == 16
+
+
+def test_the_next_steps_first_sampling_carries_the_sized_spares(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        tmp_path,
+        rollout={
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "spare_prompts": 1,
+            "spare_prompts_max": 20,
+            "ahead": 1,
+            "max_policy_lag": 1,
+        },
+    )
+    problems = [Problem(str(i), f"q{i}", str(i)) for i in range(60)]
+    stream = PromptStream(problems, seed=0)
+    stream._order = list(range(len(problems)))
+    sampler = ScriptedSampler({f"q{i}" for i in range(0, 60, 2)})  # even prompts live
+    steps = StepSampler(sampler, stream, Verifier(use_math_verify=False), cfg, Distributed(0, 1, torch.device("cpu")))
+    rollouts = steps(0, WEIGHTS)
+    # Step 0: q0..q3 and 1 spare (q4); q1, q3 dead: 2 of 5 groups, d = 0.4. The smallest S with
+    # 0.6 S - 1.6 >= 1.645 sqrt(0.24 (S + 4)) is 8 (S = 7: 2.6 < 2.67; S = 8: 3.2 >= 2.79).
+    assert [(t.step, t.attempt, len(t.prompts)) for t in sampler.submitted] == [(0, 0, 5), (0, 1, 1), (1, 0, 12)]
+    assert rollouts.spares == 1 and summarize(rollouts)["spares"] == 1
+    # A checkpoint keeps the measurements: a resumed sampler sizes the next spares the same.
+    resumed = StepSampler(
+        ScriptedSampler(set()), stream, Verifier(use_math_verify=False), cfg, Distributed(0, 1, torch.device("cpu")),
+        spares=steps.spares_state(),
+    )  # fmt: skip
+    assert resumed.spares.count() == 8
+
+
+def test_spare_prompts_max_below_spare_prompts_is_refused():
+    with pytest.raises(msgspec.ValidationError, match="spare_prompts_max = 4 is below rollout.spare_prompts = 8"):
+        make_config(Path("unused"), Path("unused"), rollout={"spare_prompts": 8, "spare_prompts_max": 4})

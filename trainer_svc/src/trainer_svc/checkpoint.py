@@ -75,6 +75,7 @@ class RunState:
     horizon: int | None = None  # train.steps the run was started with (None: a fresh run)
     started_at: float = field(default_factory=time.time)
     in_flight: list[dict] = field(default_factory=list)  # sampling calls sent, not yet trained on (StepSampler)
+    spares: dict | None = None  # the dead-rate measurements that size the spares (spares.SpareSizer)
     rollout_weights: dict | None = None  # the WeightsRef requests named at the save (None: older checkpoints)
     row: dict | None = None  # the checkpoint step's metrics row, as known at the save
 
@@ -308,6 +309,7 @@ def restore(run_dir: Path, model, optimizer, scheduler, stream, tripwire, dist_i
             horizon=saved["horizon"],
             started_at=saved["started_at"],
             in_flight=saved.get("in_flight", []),  # absent from checkpoints of synchronous runs before ahead existed
+            spares=saved.get("spares"),  # absent from checkpoints before the spares were sized
             rollout_weights=saved.get("rollout_weights"),
             row=saved.get("row"),
         ),

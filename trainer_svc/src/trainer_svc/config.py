@@ -100,16 +100,33 @@ class RolloutConfig(Struct):
     # is replaced by a live spare group at once, instead of by a retry the step must wait for.
     # Spares left over are not trained on.
     spare_prompts: NonNegative = 0
+    # 0: spare_prompts spares on every step. Above 0: as many spares as the dead rate measured over
+    # the last steps asks for (so that a retry is needed on about 1 step in 20), between
+    # spare_prompts and this (trainer_svc.spares).
+    spare_prompts_max: NonNegative = 0
     timeout_s: PositiveFloat = 600.0  # longest wait for one sampling call's results
     # A request that fails for a reason of the moment (engine_error: the engine crashed, ran out
     # of memory or lost its process) is sent again under a fresh id, asking the same, at most this
     # many times per request and launch; 0: the first such error stops the run (exit 69).
     error_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 3
     no_worker_grace_s: PositiveFloat = 120.0  # how long no live worker is tolerated (engine start included)
-    # One GPU for both: the spawned worker shares training rank 0's GPU, takes at most
-    # colocate_gpu_memory of it, and sleeps (weights and KV cache freed) while the trainer steps.
+    # One GPU for both: the spawned worker shares training rank 0's GPU and takes at most
+    # colocate_gpu_memory of it; the trainer is capped at the rest, so both always fit and the
+    # worker generates the next steps (rollout.ahead) while the trainer trains.
     colocate: bool = False
     colocate_gpu_memory: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.3
+    # Seconds without a request after which the colocated worker sleeps (its weights and KV cache
+    # freed, for other processes on the GPU: the trainer stays capped) until the next request
+    # wakes it; 0: it never sleeps. A sleep costs a wake on the next request.
+    colocate_sleep_s: NonNegativeFloat = 0.0
+
+    def __post_init__(self) -> None:
+        if self.spare_prompts_max and self.spare_prompts_max < self.spare_prompts:
+            raise ValueError(
+                f"rollout.spare_prompts_max = {self.spare_prompts_max} is below rollout.spare_prompts = "
+                f"{self.spare_prompts}: the spares are sized between the two; raise spare_prompts_max, or set it "
+                "to 0 for a fixed spare_prompts"
+            )
 
 
 class TrainConfig(Struct):

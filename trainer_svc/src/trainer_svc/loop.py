@@ -93,6 +93,7 @@ def save(run: Run, row: dict, pin_reason: str | None = None) -> None:
         "tripwire": run.tripwire.state_dict(),
         "started_at": run.state.started_at,
         "in_flight": run.sample.state_dict(),  # the stream's cursor is past their prompts
+        "spares": run.sample.spares_state(),
         "rollout_weights": asdict(run.weights),
         "row": row,  # timings as of the save's start
     }

@@ -212,9 +212,11 @@ class RolloutService:
         env = dict(os.environ)
         gpu = rollout_gpu(self.world_size, self.cuda_devices, colocate=cfg.rollout.colocate)
         if gpu is not None and cfg.rollout.colocate:
-            # Its share of the GPU, and asleep (weights and KV cache freed) whenever it has no
-            # request: while the trainer steps.
-            command += ["--gpu-memory-utilization", str(cfg.rollout.colocate_gpu_memory), "--sleep-when-idle", "0.5"]
+            # Its share of the GPU (the trainer is capped at the rest), awake by default: it
+            # generates the next steps while the trainer steps.
+            command += ["--gpu-memory-utilization", str(cfg.rollout.colocate_gpu_memory)]
+            if cfg.rollout.colocate_sleep_s:
+                command += ["--sleep-when-idle", str(cfg.rollout.colocate_sleep_s)]
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         log.info("starting rollout worker: %s (log: %s)", " ".join(command), self.log_path)

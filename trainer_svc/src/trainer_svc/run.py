@@ -185,7 +185,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         latest=latest,
         weights=weights,
         sync=sync,
-        sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight),
+        sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight, state.spares),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row)
         if dist_info.is_main

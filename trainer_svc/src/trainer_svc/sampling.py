@@ -2,8 +2,9 @@
 sent to every rank (StepSampler).
 
 A group whose G rewards are all equal has zero advantage everywhere and teaches nothing. Such
-dead groups are counted and replaced: first by the live groups of `rollout.spare_prompts` extra
-prompts sampled with the step's own (no wait), then, up to `loss.dead_group_retries` times per
+dead groups are counted and replaced: first by the live groups of spare prompts sampled with the
+step's own (no wait; `rollout.spare_prompts` of them, or as many as the measured dead rate asks
+for: spares.py), then, up to `loss.dead_group_retries` times per
 step, by groups of fresh prompts sampled again (the step waits for each); what is still dead
 after that stays in the batch (it adds nothing to the gradient, and the step's size stays what
 the config says). The first sampling's reward (`reward_first`, over the step's prompts and its
@@ -38,6 +39,7 @@ from .data import Problem, PromptStream
 from .model import Distributed
 from .rewards import RewardBreakdown, Verifier, score
 from .rollout import Group, Ticket, WeightsRef
+from .spares import SpareSizer
 
 __all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "WeightsRef", "summarize"]
 
@@ -110,6 +112,7 @@ class StepRollouts:
     staleness_mean: float = 0.0  # mean over the batch's groups of (step - the weights step that sampled it)
     dropped_stale: int = 0  # groups dropped as staler than rollout.max_policy_lag (and sampled again)
     spares_used: int = 0  # dead groups replaced by spare groups of the first sampling
+    spares: int = 0  # spare prompts the first sampling carried
     generate_s: float = 0.0  # waiting for the rollout service (generation, queueing, reloads)
     score_s: float = 0.0  # rewards: answer extraction, verifier, shaping
 
@@ -117,7 +120,8 @@ class StepRollouts:
 class StepSampler:
     """Rank 0 samples and scores each step through `sampler`, keeping `rollout.ahead` steps in
     flight; every rank gets the same rollouts. Other ranks pass `sampler=None` and only receive.
-    `in_flight`: the calls a checkpoint recorded (`state_dict`), taken over at a resume."""
+    `in_flight`: the calls a checkpoint recorded (`state_dict`), taken over at a resume;
+    `spares`: the dead-rate measurements it recorded (`spares_state`)."""
 
     def __init__(
         self,
@@ -127,8 +131,10 @@ class StepSampler:
         cfg: Config,
         dist_info: Distributed,
         in_flight: list[dict] = (),
+        spares: dict | None = None,
     ):
         self.sampler, self.stream, self.verifier, self.cfg, self.dist = sampler, stream, verifier, cfg, dist_info
+        self.spares = SpareSizer(cfg.rollout, spares)
         self.in_flight: dict[int, InFlight] = {}
         if sampler is not None:
             for state in in_flight:
@@ -139,20 +145,23 @@ class StepSampler:
     def __call__(self, step: int, weights: WeightsRef) -> StepRollouts:
         """Step `step`'s rollouts; `weights` are the newest published ones."""
         local = None
-        if self.cfg.rollout.colocate and self.dist.device.type == "cuda":
+        if self.cfg.rollout.colocate and self.cfg.rollout.colocate_sleep_s and self.dist.device.type == "cuda":
             torch.cuda.empty_cache()  # blocks the trainer cached are the memory a waking worker needs
         if self.sampler is not None:
             local = self._sample(step, weights)
         return self.dist.from_rank0(local)  # one object: a step's rollouts are small
 
-    @property
     def _first_size(self) -> int:
-        """Prompts in a step's first sampling: its own and the spares."""
-        return self.cfg.rollout.prompts_per_step + self.cfg.rollout.spare_prompts
+        """Prompts in a step's first sampling sent now: its own and the spares."""
+        return self.cfg.rollout.prompts_per_step + self.spares.count()
 
     def state_dict(self) -> list[dict]:
         """The calls in flight, oldest step first (empty on ranks other than 0)."""
         return [self.in_flight[step].state_dict() for step in sorted(self.in_flight)]
+
+    def spares_state(self) -> dict:
+        """The dead-rate measurements that size the next spares (spares.SpareSizer)."""
+        return self.spares.state_dict()
 
     def close(self) -> None:
         if self.sampler is not None:
@@ -175,7 +184,7 @@ class StepSampler:
         last = min(step + self.cfg.rollout.ahead, self.cfg.train.steps - 1)
         for ahead in range(step + 1, last + 1):
             if ahead not in self.in_flight:
-                self.in_flight[ahead] = self._send(ahead, weights, 0, self.stream.take(self._first_size))
+                self.in_flight[ahead] = self._send(ahead, weights, 0, self.stream.take(self._first_size()))
 
     def _sample(self, step: int, weights: WeightsRef) -> StepRollouts:
         cfg = self.cfg
@@ -201,7 +210,7 @@ class StepSampler:
 
         first = self.in_flight.pop(step, None)
         if first is None:
-            first = self._send(step, weights, 0, self.stream.take(self._first_size))
+            first = self._send(step, weights, 0, self.stream.take(self._first_size()))
         dropped = 0
         if step - first.ticket.weights_step > cfg.rollout.max_policy_lag:
             # Sampled by weights too old to train on: the same prompts again, from the newest.
@@ -209,6 +218,7 @@ class StepSampler:
             first = self._send(step, weights, 0, first.problems)
         groups, breakdowns = collect_and_score(first)
         reward_first = sum(b.total for group in breakdowns for b in group) / sum(len(group) for group in breakdowns)
+        self.spares.observe(sum(_is_dead(b) for b in breakdowns), len(breakdowns))
         own = cfg.rollout.prompts_per_step
         problems, spares = list(first.problems[:own]), range(own, len(first.problems))
         live_spares = [i for i in spares if not _is_dead(breakdowns[i])]
@@ -253,6 +263,7 @@ class StepSampler:
             staleness_mean=sum(step - g.weights_step for g in groups) / len(groups),
             dropped_stale=dropped,
             spares_used=spares_used,
+            spares=len(first.problems) - own,
             generate_s=spent["generate"],
             score_s=spent["score"],
         )
@@ -282,6 +293,7 @@ def summarize(r: StepRollouts) -> dict:
         "staleness_mean": r.staleness_mean,
         "dropped_stale": r.dropped_stale,
         "spares_used": r.spares_used,
+        "spares": r.spares,
         "generate_s": r.generate_s,
         "score_s": r.score_s,
     }

@@ -1,0 +1,243 @@
+"""A training step with the worker colocated on the trainer's GPU, generating ahead: does the
+next step's generation overlap this step's training and publishing? Target: step <= 1.15 x
+max(generation, train + publish).
+
+    python bench/colocated_step.py --model DIR [--steps 40] [--prompts 64] [--samples 8] [--tokens 16]
+                                   [--temperature 0.7] [--lr 2e-5] [--spares 16] [--spares-max 160]
+                                   [--sleep 0] [--compile off] [--skip 5] [--json OUT]
+
+DIR is an HF model directory (SmolLM2-135M-Instruct in bf16 in docs/BENCHMARKS.md; on a machine
+without a GPU any small model, e.g. build/tiny-model, checks the script). The rows are
+`{"prompt", "gold"}` two-digit additions with the model's chat format applied here (its chat
+template; the demo's `a+b=` for a model without one). One `trainer-svc train` launch: `rollout.ahead = 1`,
+`rollout.colocate = true` on a GPU (the worker on the trainer's GPU, awake unless --sleep gives
+`rollout.colocate_sleep_s`), spares from --spares up to --spares-max as the dead rate asks
+(`rollout.spare_prompts_max`; --spares-max 0 keeps --spares fixed), tis, one retry.
+
+Per step, from metrics.jsonl and the spool's answered requests:
+- step: the trainer's `step_s`; wait: its `rollout_s` (waiting for the samples, and scoring);
+- generation: the worker's time on the step's requests (each result's reload_s + generate_s,
+  every attempt of the step): what the overlap has to hide;
+- train + publish: the trainer's `train_s + publish_s`.
+Medians over the steps after --skip (the first ones start the engine's caches and compile), the
+ratio median(step) / max(median(generation), median(train + publish)), retries and spares, and
+launch to each step (the metrics file watched as it grows: launch to first step too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 1.15
+STEP_IN_ID = re.compile(r"-train-s(\d{8})-a\d+-p\d+-")
+
+
+def trainer_command() -> list[str]:
+    """`trainer-svc` of the trainer venv, or beside this interpreter (the GPU host's shims)."""
+    for candidate in (ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc", Path(sys.executable).parent / "trainer-svc"):
+        if candidate.exists():
+            return [str(candidate)]
+    return [sys.executable, "-m", "trainer_svc.cli"]
+
+
+def write_rows(model: Path, path: Path) -> int:
+    """Every a + b with a, b in 10..99, in the model's chat format (`a+b=` for a model without
+    one), as {"prompt", "gold"} rows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with open(path, "w") as out:
+        for a in range(10, 100):
+            for b in range(10, 100):
+                if tokenizer.chat_template:
+                    question = f"What is {a} + {b}? Answer with the number only."
+                    messages = [{"role": "user", "content": question}]
+                    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                else:  # the demo's format (build/tiny-model on CPU)
+                    prompt = f"{a}+{b}="
+                out.write(json.dumps({"prompt": prompt, "gold": str(a + b)}) + "\n")
+    return 90 * 90
+
+
+def config(args, run_dir: Path, rows: Path, gpu: bool) -> dict:
+    worker_args = ["--max-model-len", "512" if gpu else "64"]
+    return {
+        "run": {"dir": str(run_dir), "seed": 0, "cpu_threads": 0 if gpu else 1},
+        "model": {"path": str(args.model), "compile": args.compile},
+        "data": {"task": "file", "path": str(rows), "held_out": 32},
+        "rollout": {
+            "rollout_venv": str(ROOT / ".venvs" / "rollout"),
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.samples,
+            "max_tokens": args.tokens,
+            "temperature": args.temperature,
+            "ahead": 1,
+            "max_policy_lag": 1,
+            "spare_prompts": args.spares,
+            "spare_prompts_max": args.spares_max,
+            "colocate": gpu,
+            "colocate_sleep_s": args.sleep,
+            "worker_args": worker_args,
+            "timeout_s": 300.0,
+        },
+        "train": {"steps": args.steps, "lr": args.lr},
+        "loss": {"dead_group_retries": 1, "correction": "tis"},
+        "checkpoint": {"every": 10_000, "keep_last": 1},
+        "publish": {"keep_last": 3},
+    }
+
+
+def watch(command: list[str], metrics: Path, log_path: Path, timeout_s: float) -> tuple[int, list[float]]:
+    """Run the trainer; returns its exit code and, per metrics line, seconds from launch to it."""
+    seen: list[float] = []
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            if time.monotonic() - started > timeout_s:
+                proc.terminate()
+                proc.wait(60)
+                break
+            lines = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+            if lines > len(seen) and lines % 10 == 0:
+                print(f"{time.monotonic() - started:.0f} s: {lines} steps", flush=True)
+            seen += [time.monotonic() - started] * (lines - len(seen))
+            time.sleep(0.02)
+    lines = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+    seen += [time.monotonic() - started] * (lines - len(seen))
+    return proc.returncode, seen
+
+
+def worker_seconds(spool: Path) -> dict[int, float]:
+    """The worker's seconds (reload + engine call) on each training step's requests, by step index."""
+    per_step: dict[int, float] = defaultdict(float)
+    for path in (spool / "done").glob("*.result.json"):
+        found = STEP_IN_ID.search(path.name)
+        if found:
+            timings = json.loads(path.read_text())["timings"]
+            per_step[int(found.group(1))] += timings["generate_s"] + timings["reload_s"]
+    return per_step
+
+
+def summarise(rows: list[dict], worker: dict[int, float], arrived: list[float], skip: int) -> dict:
+    kept = [r for r in rows if r["step"] > skip] or rows
+    med = {
+        "step_s": statistics.median(r["step_s"] for r in kept),
+        "wait_s": statistics.median(r["rollout_s"] for r in kept),
+        # row "step" is 1-based; request ids name the step 0-based
+        "generation_s": statistics.median(worker.get(r["step"] - 1, 0.0) for r in kept),
+        "train_s": statistics.median(r["train_s"] for r in kept),
+        "publish_s": statistics.median(r["publish_s"] for r in kept),
+        "train_publish_s": statistics.median(r["train_s"] + r["publish_s"] for r in kept),
+        "score_s": statistics.median(r["score_s"] for r in kept),
+    }
+    bound = max(med["generation_s"], med["train_publish_s"])
+    return {
+        "medians": {k: round(v, 4) for k, v in med.items()},
+        "step_over_max": round(med["step_s"] / bound, 3) if bound else None,
+        "target": TARGET_RATIO,
+        "steps_measured": len(kept),
+        "steps_with_a_retry": sum(r["retries"] > 0 for r in kept),
+        "dead_groups_median": statistics.median(r["dead_groups"] for r in kept),
+        "dead_after_retry_total": sum(r["dead_groups_after_retry"] for r in kept),
+        "spares_median": statistics.median(r.get("spares", 0) for r in kept),
+        "spares_range": [min(r.get("spares", 0) for r in kept), max(r.get("spares", 0) for r in kept)],
+        "reward_first_10": round(statistics.fmean(r["reward_first"] for r in rows[:10]), 3),
+        "reward_last_10": round(statistics.fmean(r["reward_first"] for r in rows[-10:]), 3),
+        "launch_to_first_step_s": round(arrived[0], 1) if arrived else None,
+        "launch_to_last_step_s": round(arrived[-1], 1) if arrived else None,
+        "per_step": [
+            {
+                "step": r["step"],
+                "step_s": round(r["step_s"], 3),
+                "wait_s": round(r["rollout_s"], 3),
+                "generation_s": round(worker.get(r["step"] - 1, 0.0), 3),
+                "train_s": round(r["train_s"], 3),
+                "publish_s": round(r["publish_s"], 3),
+                "dead": r["dead_groups"],
+                "spares": r.get("spares", 0),
+                "retries": r["retries"],
+            }
+            for r in rows
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--spares", type=int, default=16)
+    parser.add_argument("--spares-max", type=int, default=160)
+    parser.add_argument("--sleep", type=float, default=0.0, help="rollout.colocate_sleep_s; 0: the worker stays awake")
+    parser.add_argument("--compile", default="off", choices=["auto", "on", "off"])
+    parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
+    parser.add_argument("--timeout", type=float, default=560.0, help="seconds the launch may take")
+    parser.add_argument("--work", type=Path, help="directory for the run (default: a fresh one under /tmp)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    import msgspec
+    import torch
+
+    gpu = torch.cuda.is_available()
+    args.model = args.model.resolve()
+    work = args.work or Path(tempfile.mkdtemp(prefix="colocated-step-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows_path = work / "rows.jsonl"
+    write_rows(args.model, rows_path)
+    run_dir = work / "run"
+    config_path = work / "colocated.toml"
+    config_path.write_bytes(msgspec.toml.encode(config(args, run_dir, rows_path, gpu)))
+    print(f"launching the trainer: {config_path}", flush=True)
+    code, arrived = watch(
+        [*trainer_command(), "train", str(config_path)], run_dir / "metrics.jsonl", work / "trainer.log", args.timeout
+    )
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    if not rows:
+        raise SystemExit(
+            f"no step finished (exit {code}); {work / 'trainer.log'}:\n{(work / 'trainer.log').read_text()[-4000:]}"
+        )
+    worker_log = run_dir / "rollout-worker.log"
+    report = {
+        "benchmark": "colocated_step",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{torch.cuda.get_device_name(0) if gpu else 'CPU'}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "exit_code": code,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "worker_sleeps": worker_log.read_text(errors="replace").count("engine asleep") if worker_log.exists() else None,
+        **summarise(rows, worker_seconds(run_dir / "spool"), arrived, args.skip),
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    med = report["medians"]
+    print(
+        f"step {med['step_s']:.3f} s = wait {med['wait_s']:.3f} + train {med['train_s']:.3f} + publish "
+        f"{med['publish_s']:.3f}; generation {med['generation_s']:.3f} s; step / max(generation, train + publish) "
+        f"= {report['step_over_max']} (target {TARGET_RATIO}); retries on {report['steps_with_a_retry']} of "
+        f"{report['steps_measured']} steps; spares {report['spares_range']}; launch to first step "
+        f"{report['launch_to_first_step_s']} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
