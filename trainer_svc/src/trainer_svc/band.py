@@ -19,7 +19,7 @@ from protocol.content_id import weights_content_id
 from protocol.fsio import replace_atomic
 
 from .config import Config
-from .data import load_problems
+from .data import DataError, load_problems
 from .rewards import Verifier
 
 BATCH = 64  # prompts per request
@@ -30,10 +30,15 @@ def band_path(cfg: Config) -> Path:
 
 
 def run_band(cfg: Config, sampler=None) -> dict:
-
     candidates, _ = load_problems(cfg.data, cfg.run.seed)
     if cfg.band.candidates:
         candidates = candidates[: cfg.band.candidates]
+    unknown = [p.id for p in candidates if p.gold is None]
+    if unknown:
+        raise DataError(
+            f"banding grades each candidate's samples against its gold answer, and rows {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} have none: give the rows an answer field"
+        )
     own_sampler = sampler is None
     if own_sampler:
         from .rollout import RolloutService

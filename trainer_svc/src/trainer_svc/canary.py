@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .config import Config
-from .data import Problem
+from .data import DataError, Problem
 from .outputs import StepLog
 from .rewards import Verifier
 from .sampling import Sampler, WeightsRef
@@ -32,6 +32,17 @@ class Canary:
         # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.
         self.log = StepLog(Path(cfg.run_dir) / CANARY_FILE, resumed_step) if sampler is not None else None
         self.history: list[dict] = self.log.rows if self.log is not None else []
+
+    @staticmethod
+    def check(cfg: Config, held_out: list[Problem]) -> None:
+        """An armed canary grades against gold answers: DataError, at launch, where its problems lack one."""
+        unknown = [p.id for p in held_out[: cfg.canary.problems] if p.gold is None] if cfg.canary.every else []
+        if unknown:
+            raise DataError(
+                f"the canary (canary.every = {cfg.canary.every}) grades greedy answers to held-out rows against "
+                f"their gold answers, and rows {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} have "
+                "none: set canary.every = 0, or give the rows an answer field"
+            )
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and not any(h["step"] == step for h in self.history)

@@ -37,6 +37,7 @@ from .model import (
     resolve_dtype,
 )
 from .outputs import Outputs
+from .reward_functions import Rewards
 from .rewards import Verifier
 from .sampling import Sampler, StepSampler, WeightsRef
 from .train_step import Policy, make_optimizer, make_scheduler
@@ -149,8 +150,11 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
 
 def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | None) -> Run:
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
-    tokenizer = load_tokenizer(cfg.model.path)
     verifier = Verifier()
+    # Imports the user's functions and refuses rows they cannot score, before the gates.
+    rewards = Rewards(cfg.reward, verifier, cfg.rollout.max_tokens, train_problems + held_out)
+    Canary.check(cfg, held_out)
+    tokenizer = load_tokenizer(cfg.model.path)
     gate_figures = gates.run_all(
         cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier
     )
@@ -184,7 +188,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         latest=latest,
         weights=weights,
         sync=sync,
-        sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight, state.spares),
+        sample=StepSampler(sampler, stream, rewards, cfg, dist_info, state.in_flight, state.spares),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row)
         if dist_info.is_main
