@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from trainer_svc.config import Config, ConfigError, dump, load, smoke_shape
+from trainer_svc.config import Config, ConfigError, RewardConfig, dump, load, smoke_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -32,7 +32,8 @@ def test_demo_config_loads_with_its_values():
     assert cfg.data.arithmetic_high == 20 and cfg.data.held_out == 41
     assert cfg.sft is not None and cfg.sft.problems == 200 and cfg.sft.stop_at_accuracy == 0.3
     assert cfg.checkpoint.keep_last == 3 and cfg.checkpoint.every == 50 and cfg.publish.every == 1
-    # sections the file leaves out keep their defaults
+    # the file writes out the default reward; keys it leaves out keep their defaults
+    assert cfg.reward == RewardConfig()
     assert cfg.reward.functions == ["correct", "format", "overlong"] and cfg.reward.weights == [1.0, 0.0, 1.0]
     assert cfg.reward.overlong_buffer == 0 and cfg.reward.timeout_s == 30.0
 

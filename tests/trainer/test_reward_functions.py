@@ -1,11 +1,13 @@
 """Reward functions (trainer_svc.reward_functions): a user's function imported from a module on
-the path and called by the convention; each way a function can fail stops scoring with a message
-naming the function and the sample; the default functions score exactly as the reward did before
-them; each function's mean is a metric, `reward/<name>`."""
+the path and called by the convention, in a worker process of its own; each way a function can
+fail stops scoring with a message naming the function and the sample; the default functions score
+exactly as the reward did before them; each function's mean is a metric, `reward/<name>`."""
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import sys
 import textwrap
 import uuid
@@ -18,7 +20,8 @@ from conftest import make_config
 from trainer_svc.config import RewardConfig
 from trainer_svc.data import Problem, PromptStream
 from trainer_svc.model import Distributed
-from trainer_svc.reward_functions import RewardFunctionError, Rewards, import_function
+from trainer_svc.reward_functions import RewardFunctionError, Rewards
+from trainer_svc.reward_process import import_function
 from trainer_svc.rewards import Verifier, format_ok, overlong_penalty
 from trainer_svc.rollout import Group, Sample, Ticket, WeightsRef
 from trainer_svc.sampling import StepSampler, summarize
@@ -51,6 +54,21 @@ def verifier():
         yield verifier
 
 
+@pytest.fixture
+def rewards_for(verifier):
+    """Rewards of a config over PROBLEMS (or `problems`), closed after the test (their users'
+    functions' worker stopped)."""
+    made = []
+
+    def make(cfg: RewardConfig, problems=None) -> Rewards:
+        made.append(Rewards(cfg, verifier, MAX_TOKENS, PROBLEMS if problems is None else problems))
+        return made[-1]
+
+    yield make
+    for rewards in made:
+        rewards.close()
+
+
 def reward_config(**values) -> RewardConfig:
     return msgspec.convert(values, RewardConfig)
 
@@ -70,21 +88,26 @@ GROUPS = [group(("3", "stop", 2), ("4", "stop", 2)), group(("10", "stop", 3), ("
 # -- a user's function ----------------------------------------------------------------------------
 
 
-def test_a_users_function_from_a_module_on_the_path_is_called_by_the_convention(user_module, verifier):
+def test_a_users_function_from_a_module_on_the_path_is_called_by_the_convention(user_module, rewards_for, tmp_path):
+    calls = tmp_path / "calls.jsonl"
     name = user_module(
-        """
-        calls = []
+        f"""
+        import json, os
 
         def shorter(completions, prompts, **kwargs):
-            calls.append({"completions": completions, "prompts": prompts, **kwargs})
+            with open({str(calls)!r}, "a") as calls:
+                calls.write(json.dumps({{"completions": completions, "prompts": prompts, **kwargs}}) + "\\n")
             return [-len(text) for text in completions]
+
+        def where(completions, prompts, **kwargs):
+            return [os.getpid()] * len(completions)
         """
     )
     function = f"{name}:shorter"
-    cfg = reward_config(functions=["correct", function], weights=[1.0, 0.5])
-    scores = Rewards(cfg, verifier, MAX_TOKENS, PROBLEMS).score(PROBLEMS, GROUPS, "step 1")
+    cfg = reward_config(functions=["correct", function, f"{name}:where"], weights=[1.0, 0.5, 0.0])
+    scores = rewards_for(cfg).score(PROBLEMS, GROUPS, "step 1")
 
-    (call,) = sys.modules[name].calls  # one call for the whole sampling call, flattened in order
+    (call,) = map(json.loads, calls.read_text().splitlines())  # one call for the sampling call, flattened
     assert call == {
         "completions": ["3", "4", "10", "1"],
         "prompts": ["1+2=", "1+2=", "5+5=", "5+5="],
@@ -97,11 +120,12 @@ def test_a_users_function_from_a_module_on_the_path_is_called_by_the_convention(
     }
     assert [s.values[function] for s in scores] == [[-1.0, -1.0], [-2.0, -1.0]]
     assert [s.values["correct"] for s in scores] == [[1.0, 0.0], [1.0, 0.0]]
-    assert [s.totals for s in scores] == [[0.5, -0.5], [0.0, -0.5]]  # correct + 0.5 * shorter
+    assert [s.totals for s in scores] == [[0.5, -0.5], [0.0, -0.5]]  # correct + 0.5 * shorter + 0 * where
     assert [s.correct for s in scores] == [[True, False], [True, False]]
+    assert scores[0].values[f"{name}:where"][0] not in (0, os.getpid())  # in a process of its own
 
 
-def test_a_function_gets_lists_of_its_own(user_module, verifier):
+def test_a_function_gets_lists_of_its_own(user_module, rewards_for):
     # One function emptying its arguments leaves the next one's whole.
     name = user_module(
         """
@@ -116,7 +140,7 @@ def test_a_function_gets_lists_of_its_own(user_module, verifier):
         """
     )
     cfg = reward_config(functions=[f"{name}:greedy", f"{name}:counts"], weights=[1.0, 1.0])
-    scores = Rewards(cfg, verifier, MAX_TOKENS, PROBLEMS).score(PROBLEMS, GROUPS)
+    scores = rewards_for(cfg).score(PROBLEMS, GROUPS)
     assert [s.totals for s in scores] == [[8.0, 8.0], [8.0, 8.0]]
 
 
@@ -139,25 +163,41 @@ def test_a_static_method_and_a_callable_object_are_functions_too(user_module):
     assert import_function(f"{name}:scaled")(completions=["a"], prompts=["p"]) == [True]
 
 
-@pytest.mark.parametrize(
-    "source, attribute, expected",
-    [
-        (None, "f", ["cannot be imported", "No module named", "is its directory on PYTHONPATH?"]),
-        ("def g(completions, prompts, **kwargs):\n    return []\n", "f", ["has no 'f'"]),
-        ("f = 3\n", "f", ["is a int, not a function", "(completions, prompts, **kwargs)"]),
-        ("import no_such_dependency_xyz\n", "f", ["cannot be imported", "no_such_dependency_xyz"]),
-        ("raise RuntimeError('bad config')\n", "f", ["importing module", "RuntimeError: bad config", ".py:1)"]),
-    ],
-    ids=["missing module", "missing attribute", "not callable", "missing dependency", "module raises"],
-)
-def test_a_function_that_cannot_be_loaded_is_refused_with_its_name(user_module, verifier, source, attribute, expected):
-    module = user_module(source) if source is not None else "no_such_module_xyz"
-    name = f"{module}:{attribute}"
-    cfg = reward_config(functions=["correct", name], weights=[1.0, 1.0])
+def test_a_missing_module_is_refused_at_construction_without_running_anything(verifier):
+    cfg = reward_config(functions=["correct", "no_such_package_xyz.rewards:f"], weights=[1.0, 1.0])
     with pytest.raises(RewardFunctionError) as info:
         Rewards(cfg, verifier, MAX_TOKENS, PROBLEMS)
+    assert str(info.value) == (
+        "reward function 'no_such_package_xyz.rewards:f': module 'no_such_package_xyz.rewards' cannot be found; "
+        "is its directory on PYTHONPATH?"
+    )
+
+
+def test_the_trainer_never_imports_a_users_module_its_worker_does(user_module, rewards_for):
+    name = user_module("def f(completions, prompts, **kwargs):\n    return [0.0] * len(completions)\n")
+    rewards = rewards_for(reward_config(functions=[f"{name}:f"], weights=[1.0]))
+    rewards.start()
+    rewards.score(PROBLEMS, GROUPS)
+    assert name not in sys.modules  # a judge model its module loads is loaded once, in the worker
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def g(completions, prompts, **kwargs):\n    return []\n", ["has no 'f'"]),
+        ("f = 3\n", ["is a int, not a function", "(completions, prompts, **kwargs)"]),
+        ("import no_such_dependency_xyz\n", ["cannot be imported", "no_such_dependency_xyz"]),
+        ("raise RuntimeError('bad config')\n", ["importing module", "RuntimeError: bad config", ".py:1)"]),
+    ],
+    ids=["missing attribute", "not callable", "missing dependency", "module raises"],
+)
+def test_a_function_that_cannot_be_loaded_is_refused_at_start_with_its_name(user_module, rewards_for, source, expected):
+    name = f"{user_module(source)}:f"
+    rewards = rewards_for(reward_config(functions=["correct", name], weights=[1.0, 1.0]))
+    with pytest.raises(RewardFunctionError) as info:
+        rewards.start()
     message = str(info.value)
-    assert f"reward function {name!r}" in message, message
+    assert message.startswith(f"reward function {name!r}"), message
     for part in expected:
         assert part in message, message
     if "dependency" in str(expected):
@@ -185,12 +225,11 @@ BAD_RETURNS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_RETURNS), ids=list(BAD_RETURNS))
-def test_a_bad_return_stops_scoring_naming_the_function_and_the_sample(user_module, verifier, case):
+def test_a_bad_return_stops_scoring_naming_the_function_and_the_sample(user_module, rewards_for, case):
     body, expected = BAD_RETURNS[case]
     name = user_module(f"def judge(completions, prompts, **kwargs):\n    {body}\n")
     function = f"{name}:judge"
-    cfg = reward_config(functions=["correct", function], weights=[1.0, 1.0])
-    rewards = Rewards(cfg, verifier, MAX_TOKENS, PROBLEMS)
+    rewards = rewards_for(reward_config(functions=["correct", function], weights=[1.0, 1.0]))
     with pytest.raises(RewardFunctionError) as info:
         rewards.score(PROBLEMS, GROUPS, "step 7")
     message = str(info.value)
@@ -199,7 +238,7 @@ def test_a_bad_return_stops_scoring_naming_the_function_and_the_sample(user_modu
         assert part in message, message
 
 
-def test_a_function_that_raises_is_named_with_the_sample_it_raises_on(user_module, verifier):
+def test_a_function_that_raises_is_named_with_the_sample_it_raises_on(user_module, rewards_for):
     name = user_module(
         """
         def picky(completions, prompts, **kwargs):
@@ -207,7 +246,7 @@ def test_a_function_that_raises_is_named_with_the_sample_it_raises_on(user_modul
         """
     )
     function = f"{name}:picky"
-    rewards = Rewards(reward_config(functions=[function], weights=[1.0]), verifier, MAX_TOKENS, PROBLEMS)
+    rewards = rewards_for(reward_config(functions=[function], weights=[1.0]))
     with pytest.raises(RewardFunctionError) as info:
         rewards.score(PROBLEMS, GROUPS, "step 2")
     message = str(info.value)
@@ -217,7 +256,7 @@ def test_a_function_that_raises_is_named_with_the_sample_it_raises_on(user_modul
     assert "relaunch" in message
 
 
-def test_a_function_that_raises_only_on_the_whole_call_names_the_calls_samples(user_module, verifier):
+def test_a_function_that_raises_only_on_the_whole_call_names_the_calls_samples(user_module, rewards_for):
     name = user_module(
         """
         def batch_only(completions, prompts, **kwargs):
@@ -226,7 +265,7 @@ def test_a_function_that_raises_only_on_the_whole_call_names_the_calls_samples(u
             return [0.0]
         """
     )
-    rewards = Rewards(reward_config(functions=[f"{name}:batch_only"], weights=[1.0]), verifier, MAX_TOKENS, PROBLEMS)
+    rewards = rewards_for(reward_config(functions=[f"{name}:batch_only"], weights=[1.0]))
     with pytest.raises(RewardFunctionError) as info:
         rewards.score(PROBLEMS, GROUPS)
     message = str(info.value)
@@ -234,36 +273,53 @@ def test_a_function_that_raises_only_on_the_whole_call_names_the_calls_samples(u
     assert "scoring the 4 completions of problems add-1-2, add-5-5 (no one of them alone makes it raise)" in message
 
 
-def test_a_function_that_calls_sys_exit_fails_scoring_and_leaves_the_process(user_module, verifier):
-    name = user_module("import sys\n\ndef quits(completions, prompts, **kwargs):\n    sys.exit(0)\n")
-    rewards = Rewards(reward_config(functions=[f"{name}:quits"], weights=[1.0]), verifier, MAX_TOKENS, PROBLEMS)
-    with pytest.raises(RewardFunctionError, match=r"raised RuntimeError: SystemExit\(0\)"):
+@pytest.mark.parametrize(
+    "body, expected",
+    [("sys.exit(0)", "raised SystemExit: 0"), ("os._exit(3)", "raised its process died during the call")],
+    ids=["sys.exit", "os._exit"],
+)
+def test_a_function_that_exits_fails_scoring(user_module, rewards_for, body, expected):
+    name = user_module(f"import os, sys\n\ndef quits(completions, prompts, **kwargs):\n    {body}\n")
+    rewards = rewards_for(reward_config(functions=[f"{name}:quits"], weights=[1.0]))
+    with pytest.raises(RewardFunctionError, match=expected):
         rewards.score(PROBLEMS, GROUPS)
 
 
-def test_a_function_that_hangs_past_timeout_s_stops_scoring(user_module, verifier):
+@pytest.mark.parametrize(
+    "body",
+    [
+        "time.sleep(3600)",
+        're.match(r"(a+)+$", "a" * 64 + "b")',  # never lets go of the interpreter lock: no thread could stop it
+    ],
+    ids=["sleeps", "backtracks in C"],
+)
+def test_a_function_that_hangs_past_timeout_s_is_stopped_and_stops_scoring(user_module, rewards_for, body):
+    name = user_module(f"import re, time\n\ndef stuck(completions, prompts, **kwargs):\n    {body}\n")
+    function = f"{name}:stuck"
+    rewards = rewards_for(reward_config(functions=["correct", function], weights=[1.0, 1.0], timeout_s=0.5))
+    with pytest.raises(RewardFunctionError) as info:
+        rewards.score(PROBLEMS, GROUPS, "step 4")
+    message = str(info.value)
+    assert f"reward function {function!r} (step 4) did not return within reward.timeout_s = 0.5 s" in message
+    assert "the 4 completions of problems add-1-2, add-5-5" in message
+
+
+def test_a_function_may_time_itself_with_signals(user_module, rewards_for):
+    # As math-verify's parse and verify do by default (signal.alarm), which only a main thread may.
     name = user_module(
         """
-        import threading
+        import signal
 
-        release = threading.Event()
-
-        def stuck(completions, prompts, **kwargs):
-            release.wait(60)
-            return [0.0] * len(completions)
+        def alarmed(completions, prompts, **kwargs):
+            previous = signal.signal(signal.SIGALRM, lambda *_: None)
+            signal.alarm(30)
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+            return [1.0] * len(completions)
         """
     )
-    function = f"{name}:stuck"
-    cfg = reward_config(functions=["correct", function], weights=[1.0, 1.0], timeout_s=0.2)
-    rewards = Rewards(cfg, verifier, MAX_TOKENS, PROBLEMS)
-    try:
-        with pytest.raises(RewardFunctionError) as info:
-            rewards.score(PROBLEMS, GROUPS, "step 4")
-    finally:
-        sys.modules[name].release.set()  # the abandoned thread ends
-    message = str(info.value)
-    assert f"reward function {function!r} (step 4) did not return within reward.timeout_s = 0.2 s" in message
-    assert "the 4 completions of problems add-1-2, add-5-5" in message
+    scores = rewards_for(reward_config(functions=[f"{name}:alarmed"], weights=[1.0])).score(PROBLEMS, GROUPS)
+    assert [s.totals for s in scores] == [[1.0, 1.0], [1.0, 1.0]]
 
 
 # -- rows ----------------------------------------------------------------------------------------
@@ -278,7 +334,7 @@ def test_correct_refuses_a_row_without_a_gold_at_construction(verifier):
     assert 'give the rows an answer field, or drop "correct" from reward.functions' in message
 
 
-def test_rows_without_a_gold_are_scored_by_other_functions_and_have_no_accuracy(user_module, verifier):
+def test_rows_without_a_gold_are_scored_by_other_functions_and_have_no_accuracy(user_module, rewards_for):
     name = user_module(
         """
         def terse(completions, prompts, style, gold, **kwargs):
@@ -288,7 +344,7 @@ def test_rows_without_a_gold_are_scored_by_other_functions_and_have_no_accuracy(
     )
     rows = [Problem("chat-7", [{"role": "user", "content": "hi"}], None, {"style": "terse"})]
     cfg = reward_config(functions=["format", f"{name}:terse"], weights=[0.0, 1.0])
-    (scored,) = Rewards(cfg, verifier, MAX_TOKENS, rows).score(rows, [GROUPS[1]])
+    (scored,) = rewards_for(cfg, rows).score(rows, [GROUPS[1]])
     assert scored.totals == [1.0, 1.0] and scored.correct is None and scored.format_ok is None
 
 
@@ -320,7 +376,7 @@ def reward_before_functions(text, reason, n_tokens, gold, correct, format_weight
     ids=["default", "all on", "buffer the cap", "no format"],
 )
 def test_the_built_ins_score_exactly_as_the_reward_did_before(
-    verifier, correct, format_weight, overlong_weight, buffer
+    verifier, rewards_for, correct, format_weight, overlong_weight, buffer
 ):
     texts = ["20", "21", " 20\n", "so 20", "-3", "", "twenty", "#### 20"]
     samples = list(itertools.product(texts, ["stop", "length"], range(MAX_TOKENS + 2)))
@@ -330,7 +386,7 @@ def test_the_built_ins_score_exactly_as_the_reward_did_before(
         weights=[correct, format_weight, overlong_weight],
         overlong_buffer=buffer,
     )
-    (scored,) = Rewards(cfg, verifier, MAX_TOKENS, [problem]).score([problem], [group(*samples)])
+    (scored,) = rewards_for(cfg, [problem]).score([problem], [group(*samples)])
     expected = [
         reward_before_functions(*s, "20", correct, format_weight, overlong_weight, buffer, verifier) for s in samples
     ]
@@ -338,8 +394,8 @@ def test_the_built_ins_score_exactly_as_the_reward_did_before(
     assert len(set(expected)) > (1 if format_weight == 0 and buffer == 0 else 4)  # the grid reaches every term
 
 
-def test_the_default_reward_is_exactly_zero_or_one(verifier):
-    (scored,) = Rewards(RewardConfig(), verifier, MAX_TOKENS, PROBLEMS).score(PROBLEMS[:1], GROUPS[:1])
+def test_the_default_reward_is_exactly_zero_or_one(rewards_for):
+    (scored,) = rewards_for(RewardConfig()).score(PROBLEMS[:1], GROUPS[:1])
     assert RewardConfig().functions == ["correct", "format", "overlong"] and RewardConfig().weights == [1.0, 0.0, 1.0]
     assert scored.totals == [1.0, 0.0] and scored.values == {
         "correct": [1.0, 0.0],
@@ -369,7 +425,7 @@ class ScriptedSampler:
         pass
 
 
-def step_metrics(tmp_path, user_module, verifier, problems) -> tuple[dict, str]:
+def step_metrics(tmp_path, user_module, rewards_for, problems) -> tuple[dict, str]:
     name = user_module("def digits(completions, prompts, **kwargs):\n    return [len(c) for c in completions]\n")
     cfg = make_config(
         tmp_path,
@@ -379,14 +435,14 @@ def step_metrics(tmp_path, user_module, verifier, problems) -> tuple[dict, str]:
     )
     stream = PromptStream(problems, seed=0)
     stream._order = list(range(len(problems)))  # q0, q1, ... in order
-    rewards = Rewards(cfg.reward, verifier, cfg.rollout.max_tokens, problems)
+    rewards = rewards_for(cfg.reward, problems)
     steps = StepSampler(ScriptedSampler(), stream, rewards, cfg, Distributed(0, 1, torch.device("cpu")))
     return summarize(steps(0, WeightsRef("unused"))), f"reward/{name}:digits"
 
 
-def test_each_functions_mean_over_the_first_sampling_is_a_metric(tmp_path, user_module, verifier):
+def test_each_functions_mean_over_the_first_sampling_is_a_metric(tmp_path, user_module, rewards_for):
     problems = [Problem(str(i), f"q{i}", str(i)) for i in (5, 9, 10, 99, 3)]  # 4 prompts and a spare
-    row, digits = step_metrics(tmp_path, user_module, verifier, problems)
+    row, digits = step_metrics(tmp_path, user_module, rewards_for, problems)
     # Over the 5 groups of the first sampling, unweighted: format is -1 only for the sample cut at the cap.
     assert row["reward/format"] == -0.25
     lengths = [len(t) for n in (5, 9, 10, 99, 3) for t in (str(n), str(n + 1), str(n), str(n + 1))]
@@ -396,8 +452,8 @@ def test_each_functions_mean_over_the_first_sampling_is_a_metric(tmp_path, user_
     assert row["reward_first"] == pytest.approx(0.5 * -0.25 + row[digits])
 
 
-def test_without_golds_there_is_no_accuracy_metric(tmp_path, user_module, verifier):
+def test_without_golds_there_is_no_accuracy_metric(tmp_path, user_module, rewards_for):
     problems = [Problem(str(i), f"q{i}") for i in (5, 9, 10, 99, 3)]
-    row, digits = step_metrics(tmp_path, user_module, verifier, problems)
+    row, digits = step_metrics(tmp_path, user_module, rewards_for, problems)
     assert "accuracy" not in row and "format_rate" not in row
     assert row["reward/format"] == -0.25 and digits in row

@@ -75,10 +75,10 @@ def train(
             f"smoke run: run directory {cfg.run_dir}, published weights {cfg.publish_dir}, spool {cfg.spool_dir}"
             f"{shared}; the run's own files are not touched"
         )
-    from .reward_functions import RewardFunctionError, import_user_functions
+    from .reward_functions import RewardFunctionError, find_user_functions
 
     try:
-        import_user_functions(cfg.reward)  # a missing module or name stops the launch at once
+        find_user_functions(cfg.reward)  # a missing module stops the launch at once
     except RewardFunctionError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     check_before_work(cfg)

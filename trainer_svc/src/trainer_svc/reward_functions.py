@@ -22,7 +22,9 @@ The calling convention (TRL's `reward_funcs`, with keyword arguments throughout)
   read-only.
 - Return one value per completion, in order: a list (or tuple) of bools, ints or floats, each
   finite.
-- A user's function runs in a thread of its own and must return within `reward.timeout_s`.
+- A user's function runs in a worker process of its own (trainer_svc.reward_process: its main
+  thread, so libraries that time themselves with signals work) and must return within
+  `reward.timeout_s`, or the process is killed.
 
 A function that raises, does not return in time, or returns the wrong number or type of values,
 or a NaN or infinity, stops the run (RewardFunctionError: exit 2) with a message naming the
@@ -35,17 +37,14 @@ verifier: 1 for a correct answer, else 0), `format` and `overlong` (penalties in
 
 from __future__ import annotations
 
-import importlib
 import math
-import numbers
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from protocol import exit_codes
 
 from .config import BUILTIN_REWARDS, RewardConfig
+from .reward_process import LoadError, NotAList, NotAValue, Overran, Raised, UserFunctions, describe, find_module
 from .rewards import CorrectAnswer, OverlongPenalty, Verifier, format_ok, format_penalty
 
 # The arguments the trainer passes; a row field of one of these names would be hidden by it.
@@ -64,8 +63,7 @@ class RewardFunctionError(Exception):
 class RewardFunction:
     name: str  # as reward.functions names it: a built-in's short name, or "package.module:function"
     weight: float
-    fn: Callable[..., Sequence]
-    builtin: bool
+    builtin: Callable[..., Sequence] | None  # a built-in's function, run inline; None: a user's, run by the worker
 
 
 @dataclass
@@ -78,48 +76,24 @@ class GroupScores:
     format_ok: list[bool] | None  # ended by itself and exactly an answer; None: the row has no gold
 
 
-def import_function(name: str) -> Callable[..., Sequence]:
-    """The callable "package.module:function" names (the part after ":" may be dotted: a class's
-    static method). RewardFunctionError when the module cannot be imported, lacks the name, or
-    the name is not callable."""
-    module_name, _, attribute = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        where = "" if exc.name != module_name.split(".")[0] else "; is its directory on PYTHONPATH?"
-        raise RewardFunctionError(
-            f"reward function {name!r}: module {module_name!r} cannot be imported ({exc}){where}"
-        ) from None
-    except Exception as exc:
-        raise RewardFunctionError(
-            f"reward function {name!r}: importing module {module_name!r} failed: {_exception(exc)}"
-        ) from None
-    found = module
-    for part in attribute.split("."):
-        if not hasattr(found, part):
-            raise RewardFunctionError(
-                f"reward function {name!r}: module {module_name!r} ({getattr(module, '__file__', None)}) has no "
-                f"{attribute!r}"
-            )
-        found = getattr(found, part)
-    if not callable(found):
-        raise RewardFunctionError(
-            f"reward function {name!r} is a {type(found).__name__}, not a function: name a function that takes "
-            "(completions, prompts, **kwargs) and returns a list of floats"
-        )
-    return found
-
-
-def import_user_functions(cfg: RewardConfig) -> dict[str, Callable[..., Sequence]]:
-    """Import every user function reward.functions names (a launch check, before anything loads)."""
-    return {name: import_function(name) for name in cfg.functions if name not in BUILTIN_REWARDS}
+def find_user_functions(cfg: RewardConfig) -> None:
+    """RewardFunctionError unless the module of each user function reward.functions names is
+    found: the launch's first check, instant (the modules are imported by the worker, at `start`)."""
+    for name in cfg.functions:
+        if name not in BUILTIN_REWARDS:
+            try:
+                find_module(name)
+            except LoadError as exc:
+                raise RewardFunctionError(str(exc)) from None
 
 
 class Rewards:
     """The configured reward functions, bound to a verifier: `score` gives each sample's reward.
 
-    Built at launch: user functions are imported, and rows that a built-in cannot score are
-    refused (RewardFunctionError), before any step. Not thread-safe (one Verifier)."""
+    Built at launch: rows that a built-in cannot score are refused (RewardFunctionError), before
+    any step. Users' functions run in a worker process of their own (reward_process): `start`
+    starts it and imports them there (RewardFunctionError when one cannot be used), else the
+    first call does; `close` stops it. Not thread-safe."""
 
     def __init__(self, cfg: RewardConfig, verifier: Verifier, max_tokens: int, problems: Sequence = ()):
         self.verifier = verifier
@@ -130,11 +104,12 @@ class Rewards:
             "format": format_penalty,
             "overlong": OverlongPenalty(cfg.overlong_buffer),
         }
-        users = import_user_functions(cfg)
+        find_user_functions(cfg)
         self.functions = [
-            RewardFunction(name, weight, builtins[name] if name in builtins else users[name], name in builtins)
+            RewardFunction(name, weight, builtins.get(name))
             for name, weight in zip(cfg.functions, cfg.weights, strict=True)
         ]
+        self.users = UserFunctions([f.name for f in self.functions if f.builtin is None])
         if "overlong" in cfg.functions and not cfg.overlong_buffer <= max_tokens:
             raise RewardFunctionError(
                 f"reward.overlong_buffer = {cfg.overlong_buffer} is wider than rollout.max_tokens = {max_tokens}: "
@@ -226,62 +201,62 @@ class Rewards:
             ]
         return correct, well_formed
 
+    def start(self) -> None:
+        """Start the users' functions' worker and import them there (at launch, on the rank that
+        scores): RewardFunctionError when one is missing, not callable, or its import fails."""
+        try:
+            self.users.start()
+        except (LoadError, Overran) as exc:
+            raise RewardFunctionError(str(exc)) from None
+
+    def close(self) -> None:
+        """Stop the users' functions' worker, if one was started."""
+        self.users.close()
+
+    def __enter__(self) -> Rewards:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _values(self, function: RewardFunction, call: Call) -> list[float]:
         """The function's checked values on the call's samples; RewardFunctionError otherwise."""
         try:
-            returned = self._run(function, call.kwargs())
-        except _Hung:
+            returned = self._run(function, call)
+        except Overran:
             raise RewardFunctionError(
                 f"{call.naming(function)} did not return within reward.timeout_s = {self.timeout_s:g} s, scoring "
                 f"{call.samples_named()}. Make it faster (or raise reward.timeout_s), then relaunch: the run "
                 "resumes from its newest checkpoint"
             ) from None
-        except Exception as exc:
+        except Raised as exc:
+            fix = "drop it from reward.functions" if function.builtin else "fix it"
             raise RewardFunctionError(
-                f"{call.naming(function)} raised {_exception(exc)}, {self._culprit(function, call)}. Fix it, then "
+                f"{call.naming(function)} raised {exc}, {self._culprit(function, call)}. {fix.capitalize()}, then "
                 "relaunch: the run resumes from its newest checkpoint"
             ) from None
         return call.checked(function, returned)
 
-    def _run(self, function: RewardFunction, kwargs: dict) -> object:
-        """Call the function: a built-in inline, a user's in a daemon thread under timeout_s. A
-        thread that overruns is abandoned (Python cannot stop it); the run stops anyway."""
-        if function.builtin:
-            return function.fn(**kwargs)
-        outcome: dict[str, object] = {}
-
-        def target() -> None:
-            try:
-                outcome["value"] = function.fn(**kwargs)
-            except Exception as exc:
-                outcome["error"] = exc
-            except BaseException as exc:  # a SystemExit is the function's failure, never the run's exit
-                outcome["error"] = RuntimeError(repr(exc)).with_traceback(exc.__traceback__)
-
-        thread = threading.Thread(target=target, name=f"reward {function.name}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            raise _Hung
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
+    def _run(self, function: RewardFunction, call: Call) -> list | NotAList:
+        """Call the function: a built-in inline, a user's in the worker under timeout_s."""
+        if function.builtin is None:
+            return self.users.call(function.name, call.kwargs(), self.timeout_s)
+        try:
+            return function.builtin(**call.kwargs())
+        except Exception as exc:
+            raise Raised(describe(exc)) from exc
 
     def _culprit(self, function: RewardFunction, call: Call) -> str:
         """The first sample the function raises on when called on it alone, to name in the message;
         else (every sample alone passes, or one overruns) the call's samples."""
         for i in range(len(call.samples)):
             try:
-                self._run(function, call.single(i).kwargs())
-            except _Hung:
+                self._run(function, call.single(i))
+            except Overran:
                 break
-            except Exception:
+            except Raised:
                 return f"on {call.sample_named(i)}"
         return f"scoring {call.samples_named()} (no one of them alone makes it raise)"
-
-
-class _Hung(Exception):
-    """A user's function did not return within reward.timeout_s."""
 
 
 @dataclass
@@ -316,9 +291,10 @@ class Call:
     def checked(self, function: RewardFunction, returned: object) -> list[float]:
         """The values as floats, or RewardFunctionError naming what is wrong and where."""
         n = len(self.samples)
-        if not isinstance(returned, (list, tuple)):
+        if isinstance(returned, NotAList) or not isinstance(returned, (list, tuple)):
+            name = returned.type_name if isinstance(returned, NotAList) else type(returned).__name__
             raise RewardFunctionError(
-                f"{self.naming(function)} returned a {type(returned).__name__}, scoring {self.samples_named()}: "
+                f"{self.naming(function)} returned a {name}, scoring {self.samples_named()}: "
                 f"return a list of {n} numbers, one per completion (an array: .tolist())"
             )
         if len(returned) != n:
@@ -328,10 +304,15 @@ class Call:
             )
         values = []
         for i, value in enumerate(returned):
-            if not isinstance(value, numbers.Real):
+            if isinstance(value, NotAValue) or not isinstance(value, (bool, int, float)):
+                shown, kind = (
+                    (value.shown, value.type_name)
+                    if isinstance(value, NotAValue)
+                    else (repr(value), type(value).__name__)
+                )
                 raise RewardFunctionError(
-                    f"{self.naming(function)} returned {value!r} ({type(value).__name__}) for "
-                    f"{self.sample_named(i)}: each value must be a number (bool, int or float)"
+                    f"{self.naming(function)} returned {shown} ({kind}) for {self.sample_named(i)}: each value must "
+                    "be a number (bool, int or float)"
                 )
             value = float(value)
             if not math.isfinite(value):
@@ -341,10 +322,3 @@ class Call:
                 )
             values.append(value)
         return values
-
-
-def _exception(exc: BaseException) -> str:
-    """`Type: message (file:line)`, the line being the innermost frame the exception passed."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"

@@ -83,6 +83,7 @@ class Run:
     policy: Policy
     stream: PromptStream
     verifier: Verifier
+    rewards: Rewards
     tripwire: CollapseTripwire
     state: RunState
     latest: Checkpoint | None  # the newest checkpoint: what a relaunch resumes from
@@ -107,6 +108,7 @@ class Run:
 
     def close(self) -> None:
         self.verifier.close()
+        self.rewards.close()
         self.sample.close()
         self.out.close()
         if self.dist.world_size > 1:
@@ -151,8 +153,11 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
 def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | None) -> Run:
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
     verifier = Verifier()
-    # Imports the user's functions and refuses rows they cannot score, before the gates.
+    # Rows the reward functions cannot score are refused, and the user's functions are imported
+    # (in their worker, on the rank that scores), before the gates.
     rewards = Rewards(cfg.reward, verifier, cfg.rollout.max_tokens, train_problems + held_out)
+    if dist_info.is_main:
+        rewards.start()
     Canary.check(cfg, held_out)
     tokenizer = load_tokenizer(cfg.model.path)
     gate_figures = gates.run_all(
@@ -183,6 +188,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         policy=policy,
         stream=stream,
         verifier=verifier,
+        rewards=rewards,
         tripwire=tripwire,
         state=state,
         latest=latest,
