@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import make_config
 
+from trainer_svc.canary import Canary
 from trainer_svc.config import RewardConfig
-from trainer_svc.data import Problem, PromptStream
+from trainer_svc.data import DataError, Problem, PromptStream
 from trainer_svc.model import Distributed
 from trainer_svc.reward_functions import RewardFunctionError, Rewards
 from trainer_svc.reward_process import import_function
@@ -238,6 +239,19 @@ def test_a_bad_return_stops_scoring_naming_the_function_and_the_sample(user_modu
         assert part in message, message
 
 
+def test_numpys_scalars_and_a_tuple_are_values_too(user_module, rewards_for):
+    name = user_module(
+        """
+        import numpy as np
+
+        def arrays(completions, prompts, **kwargs):
+            return (np.float32(0.5), np.int64(2), np.bool_(True), True)
+        """
+    )
+    scores = rewards_for(reward_config(functions=[f"{name}:arrays"], weights=[1.0])).score(PROBLEMS, GROUPS)
+    assert [s.totals for s in scores] == [[0.5, 2.0], [1.0, 1.0]]
+
+
 def test_a_function_that_raises_is_named_with_the_sample_it_raises_on(user_module, rewards_for):
     name = user_module(
         """
@@ -352,6 +366,15 @@ def test_a_row_field_named_as_an_argument_is_refused(verifier):
     rows = [Problem("r1", "1+1=", "2", {"max_tokens": 9})]
     with pytest.raises(RewardFunctionError, match="row r1 has a field 'max_tokens'.*rename that field"):
         Rewards(RewardConfig(), verifier, MAX_TOKENS, rows)
+
+
+def test_an_armed_canary_refuses_held_out_rows_without_a_gold(tmp_path):
+    held_out = [Problem("q1", "1+1=", "2"), Problem("chat-3", "hi"), Problem("chat-4", "ho")]
+    Canary.check(make_config(tmp_path, tmp_path, canary={"every": 0}), held_out)  # not armed: no need
+    Canary.check(make_config(tmp_path, tmp_path, canary={"every": 5, "problems": 1}), held_out)  # q1 only
+    with pytest.raises(DataError) as info:
+        Canary.check(make_config(tmp_path, tmp_path, canary={"every": 5, "problems": 3}), held_out)
+    assert "rows chat-3, chat-4 have none: set canary.every = 0, or give the rows an answer field" in str(info.value)
 
 
 def test_an_overlong_buffer_wider_than_max_tokens_is_refused(verifier):

@@ -20,8 +20,8 @@ The calling convention (TRL's `reward_funcs`, with keyword arguments throughout)
   by itself), `max_tokens` (the cap on generated tokens, an int), and every other field of the
   rows (None where a row lacks it). Accept **kwargs: more may be passed later. Treat them as
   read-only.
-- Return one value per completion, in order: a list (or tuple) of bools, ints or floats, each
-  finite.
+- Return one value per completion, in order: a list (or tuple) of bools, ints or floats (numpy's
+  scalars too), each finite.
 - A user's function runs in a worker process of its own (trainer_svc.reward_process: its main
   thread, so libraries that time themselves with signals work) and must return within
   `reward.timeout_s`, or the process is killed.

@@ -206,7 +206,10 @@ def _call(name: str, kwargs: dict) -> tuple[str, object]:
 def _plain(value: object) -> object:
     if isinstance(value, (bool, int, float)):
         return value
-    if isinstance(value, numbers.Real):  # numpy's scalars, Fraction
+    if isinstance(value, numbers.Real):  # numpy's numeric scalars, Fraction
         return float(value)
+    numpy = sys.modules.get("numpy")  # loaded by the function, if it returns numpy's bools
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
     shown = repr(value)
     return NotAValue(type(value).__name__, shown if len(shown) <= 80 else shown[:80] + "...")
