@@ -144,6 +144,7 @@ class Rewards:
     def score(self, problems: Sequence, groups: Sequence, where: str = "") -> list[GroupScores]:
         """The scores of each problem's group of samples (in order), one call per function.
         `where` says which call this is (e.g. "step 3") for error messages."""
+        self.start()  # at launch already, where a run scores
         samples = [(problem, index, sample) for problem, g in zip(problems, groups, strict=True)
                    for index, sample in enumerate(g.samples)]  # fmt: skip
         arguments = {

@@ -11,9 +11,9 @@ there only, not in the trainer), and their module-level state lives there across
 ignores SIGINT and SIGTERM: the trainer decides when to stop and stops it.
 
 Guarantees: `call` returns what the function returned, as plain data (a list of its values, each
-a float, a bool or int as it was, or an Unpicklable stand-in), or raises Raised (the function's
-exception, described in the worker, where its traceback is) or Overran (past the timeout; the
-process is killed, the next call starts a fresh one).
+a bool, int or float, or a NotAValue describing what it was; or a NotAList), or raises Raised (the
+function's exception, described in the worker, where its traceback is; or its process died) or
+Overran (past the timeout; the process is killed, the next call starts a fresh one).
 """
 
 from __future__ import annotations
