@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from trainer_svc.config import Config, ConfigError, dump, load, smoke_shape
+from trainer_svc.config import Config, ConfigError, RewardConfig, dump, load, smoke_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -32,8 +32,10 @@ def test_demo_config_loads_with_its_values():
     assert cfg.data.arithmetic_high == 20 and cfg.data.held_out == 41
     assert cfg.sft is not None and cfg.sft.problems == 200 and cfg.sft.stop_at_accuracy == 0.3
     assert cfg.checkpoint.keep_last == 3 and cfg.checkpoint.every == 50 and cfg.publish.every == 1
-    # sections the file leaves out keep their defaults
-    assert cfg.reward.correct == 1.0 and cfg.reward.overlong_buffer == 0
+    # the file writes out the default reward; keys it leaves out keep their defaults
+    assert cfg.reward == RewardConfig()
+    assert cfg.reward.functions == ["correct", "format", "overlong"] and cfg.reward.weights == [1.0, 0.0, 1.0]
+    assert cfg.reward.overlong_buffer == 0 and cfg.reward.timeout_s == 30.0
 
 
 def test_minimal_config_takes_every_default(tmp_path, monkeypatch):
@@ -67,7 +69,32 @@ BAD = {
     ),
     "unknown arithmetic op": (MINIMAL + '[data]\narithmetic_ops = "+/"\n', "`$.data`", "data.arithmetic_ops must be"),
     "error_retries out of range": (MINIMAL + "[rollout]\nerror_retries = -1\n", "`$.rollout.error_retries`", ">= 0"),
-    "negative reward shaping": (MINIMAL + "[reward]\noverlong_weight = -1.0\n", "`$.reward.overlong_weight`", ">= 0"),
+    "negative reward shaping": (
+        MINIMAL + '[reward]\nfunctions = ["correct", "overlong"]\nweights = [1.0, -1.0]\n',
+        "`$.reward`",
+        "reward.weights[1] = -1.0 for the built-in 'overlong' is negative",
+    ),
+    "a weight per function": (
+        MINIMAL + '[reward]\nfunctions = ["correct", "my.mod:fn"]\n',
+        "`$.reward`",
+        "reward.weights has 3 values for 2 reward.functions",
+    ),
+    "a function name of neither kind": (
+        MINIMAL + '[reward]\nfunctions = ["correct", "my/mod.py"]\nweights = [1.0, 1.0]\n',
+        "`$.reward`",
+        "reward.functions[1] = 'my/mod.py' is neither a built-in (correct, format, overlong) nor",
+    ),
+    "a function named twice": (
+        MINIMAL + '[reward]\nfunctions = ["correct", "correct"]\nweights = [1.0, 1.0]\n',
+        "`$.reward`",
+        "names a function twice",
+    ),
+    "no function": (MINIMAL + "[reward]\nfunctions = []\nweights = []\n", "`$.reward`", "reward.functions is empty"),
+    "an infinite weight": (
+        MINIMAL + '[reward]\nfunctions = ["a.b:c"]\nweights = [inf]\n',
+        "`$.reward`",
+        "reward.weights[0] (for 'a.b:c') = inf is not a finite number",
+    ),
     "missing [run]": ('[model]\npath = "model"\n', "`run`", "missing required field"),
     "missing run.dir": ('[run]\nseed = 1\n[model]\npath = "model"\n', "`dir`", "missing required field"),
     "not TOML": ("[run\ndir = ", "", "not valid TOML"),
@@ -84,6 +111,26 @@ def test_bad_config_names_key_and_reason(tmp_path, case):
     assert message.startswith(f"{path}: "), message
     assert key in message, message
     assert reason in message, message
+
+
+@pytest.mark.parametrize(
+    "section, weights",
+    [
+        ("correct = 2.0\n", "[2.0, 0.0, 1.0]"),
+        ("format_weight = 0.5\noverlong_buffer = 2\n", "[1.0, 0.5, 1.0]"),
+        ("correct = 1.0\nformat_weight = 0.1\noverlong_weight = 0.3\n", "[1.0, 0.1, 0.3]"),
+    ],
+)
+def test_the_keys_reward_functions_replaced_are_refused_naming_what_to_write(tmp_path, section, weights):
+    path = write(tmp_path, MINIMAL + "[reward]\n" + section)
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: reward.") and "replaced by reward.functions and reward.weights" in message
+    assert f'functions = ["correct", "format", "overlong"], weights = {weights}' in message, message
+    # what it says to write loads, and is the same reward
+    fixed = write(tmp_path, MINIMAL + f'[reward]\nfunctions = ["correct", "format", "overlong"]\nweights = {weights}\n')
+    assert load(fixed).reward.weights == [float(w) for w in weights.strip("[]").split(", ")]
 
 
 def test_missing_file_is_a_config_error(tmp_path):
@@ -207,7 +254,7 @@ def test_dump_round_trips(tmp_path, monkeypatch, source):
                 + '[rollout]\nspawn = false\nspool = "/srv/spool"\nworker_args = ["--dtype", "float32"]\ntop_p = 0.95\n'
                 + '[train]\nschedule = "cosine"\nbetas = [0.8, 0.95]\nlr = 1e-6\n'
                 + '[loss]\nkl_coef = 0.05\ndenominator = "constant"\n'
-                + "[reward]\ncorrect = -0.5\noverlong_buffer = 4\n",
+                + '[reward]\nfunctions = ["correct", "pkg.mod:fn"]\nweights = [0.0, -0.5]\noverlong_buffer = 4\n',
             )
         )
     text = dump(cfg)

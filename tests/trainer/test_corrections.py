@@ -161,7 +161,7 @@ def rollouts(engine_logprob: float, prompts: int = 4, samples: int = 4):
     ]
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5]] * prompts)
     return StepRollouts(
-        problems=[], groups=groups, rewards=torch.zeros(prompts, samples), breakdowns=[], advantages=advantages,
+        problems=[], groups=groups, rewards=torch.zeros(prompts, samples), scores=[], advantages=advantages,
         dead_initial=0, dead_final=0, retries=0,
     )  # fmt: skip
 

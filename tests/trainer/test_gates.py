@@ -140,7 +140,7 @@ def test_ceiling_refuses_golds_the_verifier_cannot_read(cfg, tokenizer, tmp_path
     )
     saved = receipt_on_disk(tmp_path)
     assert saved["perfect_rate"] == 0.0 and [f["gold"] for f in saved["failures"]] == ["zero", "two", "four", "six"]
-    assert all(f["correct"] is False for f in saved["failures"])
+    assert all(f["values"]["correct"] == 0.0 for f in saved["failures"])
 
 
 def test_ceiling_refuses_a_verifier_that_never_agrees(cfg, tokenizer, tmp_path):
@@ -167,13 +167,15 @@ def test_ceiling_refuses_a_format_reward_that_rejects_the_gold_format(cfg, token
     decimals = [Problem(f"d{i}", f"{i}/2=", f"{i}.5") for i in range(1, 9, 2)]
     with Verifier() as verifier:
         plain = gates.ceiling_receipt(cfg, decimals, tokenizer, verifier)
-        shaped = gates.ceiling_receipt(replace(cfg, reward={"format_weight": 0.5}), decimals, tokenizer, verifier)
+        shaped = gates.ceiling_receipt(replace(cfg, reward={"weights": [1.0, 0.5, 1.0]}), decimals, tokenizer, verifier)
     gates.check_ceiling(plain, tmp_path)  # the verifier reads decimals; without format shaping, fine
     assert plain["perfect_rate"] == 1.0 and plain["wrong_rate"] == 0.0
     assert shaped["perfect_rate"] == 0.0
     refused("ceiling", gates.check_ceiling, shaped, tmp_path)
     failures = receipt_on_disk(tmp_path)["failures"]
-    assert failures and all(f["correct"] is True and f["format_ok"] is False and f["reward"] == 0.5 for f in failures)
+    assert failures and all(
+        f["values"] == {"correct": 1.0, "format": -1.0, "overlong": 0.0} and f["reward"] == 0.5 for f in failures
+    )
 
 
 def test_ceiling_refuses_an_overlong_buffer_that_taxes_a_perfect_answer(cfg, tokenizer, tmp_path):
@@ -183,6 +185,52 @@ def test_ceiling_refuses_an_overlong_buffer_that_taxes_a_perfect_answer(cfg, tok
         receipt = gates.ceiling_receipt(taxed, arithmetic_problems(0, 3), tokenizer, verifier)
     assert receipt["perfect_rate"] == 0.0
     refused("ceiling", gates.check_ceiling, receipt, tmp_path)
+
+
+def test_ceiling_judges_through_the_built_ins_and_names_the_functions_it_cannot_judge(cfg, tokenizer, tmp_path):
+    # A user's function has no known maximum: not judged; `correct` weighted 0 (logged only)
+    # still tells a wrong answer from the gold.
+    mixed = replace(cfg, reward={"functions": ["correct", "format", "my.mod:style"], "weights": [0.0, 0.0, 1.0]})
+    with Verifier() as verifier:
+        receipt = gates.ceiling_receipt(mixed, arithmetic_problems(0, 3), tokenizer, verifier)
+        lax = gates.ceiling_receipt(mixed, arithmetic_problems(0, 3), tokenizer, AcceptsAll())
+    assert (receipt["perfect_rate"], receipt["wrong_rate"], receipt["n"]) == (1.0, 0.0, 16)
+    assert receipt["judged_by"] == ["correct", "format"] and receipt["not_judged"] == ["my.mod:style"]
+    assert "a wrong one 100%" in refused("ceiling", gates.check_ceiling, lax, tmp_path)
+
+
+class AcceptsAll(Verifier):
+    def verify(self, predicted, gold):
+        return True
+
+
+@pytest.mark.parametrize(
+    "functions, problems, why",
+    [
+        (
+            ["format", "my.mod:style"],
+            arithmetic_problems(0, 3),
+            'reward.functions has no "correct": the gate judges perfect and wrong answers through it',
+        ),
+        (["my.mod:style"], [Problem("chat-1", "hi")], 'reward.functions has no "correct"'),
+    ],
+    ids=["no correct", "no correct and no gold"],
+)
+def test_ceiling_is_skipped_where_it_is_not_defined_and_the_receipt_says_why(
+    cfg, tokenizer, tmp_path, caplog, functions, problems, why
+):
+    judged = replace(cfg, reward={"functions": functions, "weights": [1.0] * len(functions)})
+    receipt = gates.ceiling_receipt(judged, problems, tokenizer, NeverRight())  # never asked
+    gates.check_ceiling(receipt, tmp_path)  # no refusal
+    saved = receipt_on_disk(tmp_path)
+    assert saved["skipped"].startswith(why) and saved["n"] == 0 and saved["not_judged"] == ["my.mod:style"]
+    assert "launch gate 'ceiling' skipped: " + saved["skipped"] in caplog.text
+
+
+def test_ceiling_without_a_gold_to_write_from_is_skipped(cfg, tokenizer, tmp_path):
+    receipt = gates.ceiling_receipt(cfg, [Problem("chat-1", "hi"), Problem("chat-2", "ho")], tokenizer, NeverRight())
+    assert receipt["skipped"] == "no problem has a gold answer to write a perfect and a wrong completion from"
+    gates.check_ceiling(receipt, tmp_path)
 
 
 def test_ceiling_reads_decimal_golds_and_rejects_their_successor(cfg, tokenizer):
@@ -536,7 +584,7 @@ def test_cli_train_refused_by_the_ceiling_stops_the_worker_it_started(warm_model
         tmp_path,
         warm_model,
         data={"task": "file", "path": str(rows), "held_out": 2},
-        reward={"format_weight": 0.2},
+        reward={"functions": ["correct", "format", "overlong"], "weights": [1.0, 0.2, 1.0]},
         rollout={"prompts_per_step": 4, "samples_per_prompt": 4},
     )
     result = CliRunner().invoke(app, ["train", str(path)])

@@ -199,6 +199,13 @@ def test_summary_of_a_falling_reward_is_a_negative_gain():
     assert summary(rows([1.0] * 5 + [0.0] * 5), window=5)["reward_gain"] == pytest.approx(-1.0)
 
 
+def test_summary_of_rows_without_a_gold_has_no_accuracy():
+    # Rows with no gold answer log no accuracy: the summary says so, and counts only steps that did.
+    unmeasured = [{k: v for k, v in row.items() if k != "accuracy"} for row in rows([0.0, 0.5, 1.0])]
+    assert summary(unmeasured)["accuracy_last"] is None and summary(unmeasured)["reward_last"] == pytest.approx(0.5)
+    assert summary(unmeasured[:2] + rows([1.0]))["accuracy_last"] == pytest.approx(0.5)  # the one step that did
+
+
 def test_summary_of_nothing():
     assert summary([]) == {"steps": 0}
 

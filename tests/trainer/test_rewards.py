@@ -1,5 +1,6 @@
-"""Rewards: format, DAPO's overlong penalty, scoring, the verifier (protocol.answers' verdicts,
-math-verify in a worker process, timeouts), and its agreement with the eval jobs' grading."""
+"""Rewards: format, DAPO's overlong penalty, the built-in reward functions, the verifier
+(protocol.answers' verdicts, math-verify in a worker process, timeouts), and its agreement with the
+eval jobs' grading."""
 
 from __future__ import annotations
 
@@ -9,14 +10,7 @@ import time
 import pytest
 
 from protocol import answers
-from trainer_svc.rewards import (
-    RewardBreakdown,
-    RewardConfig,
-    Verifier,
-    format_ok,
-    overlong_penalty,
-    score,
-)
+from trainer_svc.rewards import CorrectAnswer, OverlongPenalty, Verifier, format_ok, format_penalty, overlong_penalty
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,46 +110,24 @@ def test_overlong_penalty_rejects_buffers_outside_the_cap(buffer):
         overlong_penalty(1, max_tokens=4, buffer=buffer)
 
 
-# -- score ---------------------------------------------------------------------------------------
+# -- the built-ins as reward functions -----------------------------------------------------------
 
 
-def test_default_rewards_are_exactly_zero_or_one(numeric_verifier):
-    samples = [("20", "stop", 3), ("21", "stop", 3), ("20", "length", 4), ("twenty", "stop", 4), ("", "length", 4)]
-    got = score(samples, "20", RewardConfig(), numeric_verifier, max_tokens=4)
-    assert [r.total for r in got] == [1.0, 0.0, 1.0, 0.0, 0.0]
-    assert [r.correct for r in got] == [True, False, True, False, False]
-    assert [r.format_ok for r in got] == [True, True, False, False, False]
-    assert [r.overlong for r in got] == [0.0] * 5
-
-
-def test_shaped_rewards_only_subtract(numeric_verifier):
-    cfg = RewardConfig(correct=2.0, format_weight=0.5, overlong_buffer=2, overlong_weight=0.8)
-    samples = [
-        ("20", "stop", 2),  # correct, well formed, short: exactly cfg.correct
-        ("so 20", "stop", 2),  # correct, badly formed
-        ("21", "stop", 3),  # wrong, well formed, half-way into the buffer
-        ("2", "length", 4),  # wrong, cut off at the cap
-        ("20", "stop", 4),  # correct but as long as the cap
-    ]
-    got = score(samples, "20", cfg, numeric_verifier, max_tokens=4)
-    assert got == [
-        RewardBreakdown(2.0, True, True, 0.0),
-        RewardBreakdown(1.5, True, False, 0.0),
-        RewardBreakdown(-0.4, False, True, -0.5),
-        RewardBreakdown(-1.3, False, False, -1.0),
-        RewardBreakdown(1.2, True, True, -1.0),
-    ]
-    assert max(r.total for r in got) == cfg.correct
-
-
-def test_score_of_no_samples_is_empty(numeric_verifier):
-    assert score([], "1", RewardConfig(), numeric_verifier, max_tokens=4) == []
-
-
-@pytest.mark.parametrize("field", ["format_weight", "overlong_weight", "overlong_buffer"])
-def test_reward_config_refuses_negative_shaping(field):
-    with pytest.raises(ValueError, match=field):
-        RewardConfig(**{field: -1})
+def test_the_built_ins_follow_the_calling_convention(numeric_verifier):
+    completions = ["20", "21", "20", "so 20", ""]
+    arguments = {
+        "completions": completions,
+        "prompts": ["19+1="] * 5,
+        "gold": ["20"] * 5,
+        "finish_reasons": ["stop", "stop", "length", "stop", "length"],
+        "completion_ids": [[1, 2, 0], [1, 2, 0], [1, 2, 3, 4], [1] * 6, [1] * 5],
+        "max_tokens": 4,
+        "a_field_they_ignore": [None] * 5,
+    }
+    assert CorrectAnswer(numeric_verifier)(**arguments) == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert format_penalty(**arguments) == [0.0, 0.0, -1.0, -1.0, -1.0]
+    assert OverlongPenalty(2)(**arguments) == [-0.5, -0.5, -1.0, -1.0, -1.0]  # lengths 3, 3, 4, 6, 5 of 4
+    assert OverlongPenalty(0)(**arguments) == [0.0] * 5
 
 
 # -- Verifier: numbers ---------------------------------------------------------------------------

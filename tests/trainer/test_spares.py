@@ -15,6 +15,7 @@ from conftest import make_config
 
 from trainer_svc.data import Problem, PromptStream
 from trainer_svc.model import Distributed
+from trainer_svc.reward_functions import Rewards
 from trainer_svc.rewards import Verifier
 from trainer_svc.rollout import Group, Sample, Ticket, WeightsRef
 from trainer_svc.sampling import StepSampler, summarize
@@ -61,7 +62,8 @@ def step_of(tmp_path, live: list[int], spares: int, retries: int = 1):
     stream = PromptStream(problems, seed=0)
     stream._order = list(range(len(problems)))  # q0, q1, ... in order: the test says which come back live
     sampler = ScriptedSampler({f"q{i}" for i in live})
-    steps = StepSampler(sampler, stream, Verifier(use_math_verify=False), cfg, Distributed(0, 1, torch.device("cpu")))
+    rewards = Rewards(cfg.reward, Verifier(use_math_verify=False), cfg.rollout.max_tokens, problems)
+    steps = StepSampler(sampler, stream, rewards, cfg, Distributed(0, 1, torch.device("cpu")))
     return steps(0, WEIGHTS), sampler
 
 
@@ -160,7 +162,8 @@ def test_the_next_steps_first_sampling_carries_the_sized_spares(tmp_path):
     stream = PromptStream(problems, seed=0)
     stream._order = list(range(len(problems)))
     sampler = ScriptedSampler({f"q{i}" for i in range(0, 60, 2)})  # even prompts live
-    steps = StepSampler(sampler, stream, Verifier(use_math_verify=False), cfg, Distributed(0, 1, torch.device("cpu")))
+    rewards = Rewards(cfg.reward, Verifier(use_math_verify=False), cfg.rollout.max_tokens, problems)
+    steps = StepSampler(sampler, stream, rewards, cfg, Distributed(0, 1, torch.device("cpu")))
     rollouts = steps(0, WEIGHTS)
     # Step 0: q0..q3 and 1 spare (q4); q1, q3 dead: 2 of 5 groups, d = 0.4. The smallest S with
     # 0.6 S - 1.6 >= 1.645 sqrt(0.24 (S + 4)) is 8 (S = 7: 2.6 < 2.67; S = 8: 3.2 >= 2.79).
@@ -168,7 +171,7 @@ def test_the_next_steps_first_sampling_carries_the_sized_spares(tmp_path):
     assert rollouts.spares == 1 and summarize(rollouts)["spares"] == 1
     # A checkpoint keeps the measurements: a resumed sampler sizes the next spares the same.
     resumed = StepSampler(
-        ScriptedSampler(set()), stream, Verifier(use_math_verify=False), cfg, Distributed(0, 1, torch.device("cpu")),
+        ScriptedSampler(set()), stream, rewards, cfg, Distributed(0, 1, torch.device("cpu")),
         spares=steps.spares_state(),
     )  # fmt: skip
     assert resumed.spares.count() == 8

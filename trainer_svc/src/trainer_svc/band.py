@@ -30,16 +30,15 @@ def band_path(cfg: Config) -> Path:
 
 
 def run_band(cfg: Config, sampler=None) -> dict:
-
     candidates, _ = load_problems(cfg.data, cfg.run.seed)
-    unanswered = next((p for p in candidates if p.gold is None), None)
-    if unanswered is not None:
-        raise DataError(
-            f"row {unanswered.id} has no answer; banding measures how often the model answers each prompt correctly, "
-            "so it needs an answer field in every row (data.answer_field)"
-        )
     if cfg.band.candidates:
         candidates = candidates[: cfg.band.candidates]
+    unknown = [p.id for p in candidates if p.gold is None]
+    if unknown:
+        raise DataError(
+            f"banding grades each candidate's samples against its gold answer, and rows {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} have none: give the rows an answer field"
+        )
     own_sampler = sampler is None
     if own_sampler:
         from .rollout import RolloutService

@@ -1,7 +1,7 @@
-"""The canary: every `canary.every` steps, greedy answers to held-out problems (those with an
-answer) through the spool, from the newest weights, rendered as training renders them. Its
-accuracy (canary.jsonl, stage_result.json) shows whether the policy improves on problems it never
-trained on, not only on its training prompts.
+"""The canary: every `canary.every` steps, greedy answers to held-out problems through the
+spool, from the newest weights, rendered as training renders them. Its accuracy (canary.jsonl,
+stage_result.json) shows whether the policy improves on problems it never trained on, not only
+on its training prompts.
 
 The canary of step 0 answers from the starting model; a later one only from trained weights (a
 canary due before the first trained weights exist is skipped, not run on the starting model).
@@ -27,18 +27,23 @@ class Canary:
     ):
         """`sampler` None: a canary that never runs (ranks other than 0)."""
         self.every = cfg.canary.every if sampler is not None else 0
-        answered = [p for p in held_out if p.gold is not None]
-        if cfg.canary.every and held_out and not answered:
-            raise DataError(
-                f"canary.every = {cfg.canary.every}, but no held-out row has an answer: the canary scores greedy "
-                "answers against them. Give the rows an answer field (data.answer_field), or set canary.every = 0"
-            )
-        self.problems = answered[: cfg.canary.problems]
+        self.problems = held_out[: cfg.canary.problems]  # with gold answers: `check` saw to it at launch
         self.verifier = verifier
         self.sampler = sampler
         # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.
         self.log = StepLog(Path(cfg.run_dir) / CANARY_FILE, resumed_step) if sampler is not None else None
         self.history: list[dict] = self.log.rows if self.log is not None else []
+
+    @staticmethod
+    def check(cfg: Config, held_out: list[Problem]) -> None:
+        """An armed canary grades against gold answers: DataError, at launch, where its problems lack one."""
+        unknown = [p.id for p in held_out[: cfg.canary.problems] if p.gold is None] if cfg.canary.every else []
+        if unknown:
+            raise DataError(
+                f"the canary (canary.every = {cfg.canary.every}) grades greedy answers to held-out rows against "
+                f"their gold answers, and rows {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} have "
+                "none: set canary.every = 0, or give the rows an answer field"
+            )
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and not any(h["step"] == step for h in self.history)

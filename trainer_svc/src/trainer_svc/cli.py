@@ -75,6 +75,12 @@ def train(
             f"smoke run: run directory {cfg.run_dir}, published weights {cfg.publish_dir}, spool {cfg.spool_dir}"
             f"{shared}; the run's own files are not touched"
         )
+    from .reward_functions import RewardFunctionError, find_user_functions
+
+    try:
+        find_user_functions(cfg.reward)  # a missing module stops the launch at once
+    except RewardFunctionError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
     check_before_work(cfg)
     from .data import DataError
     from .gates import GateRefused, check_config
@@ -86,7 +92,7 @@ def train(
         code = run_training(cfg, stage="grpo_smoke" if smoke else "grpo")
     except GateRefused as exc:
         raise _fail(exit_codes.GATE_REFUSED, str(exc)) from None
-    except DataError as exc:
+    except (DataError, RewardFunctionError) as exc:  # rows or reward functions to fix
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except RolloutUnavailable as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
@@ -103,9 +109,10 @@ def train(
 
         s = json.loads((cfg.run_dir / "stage_result.json").read_text())["summary"]
         if s.get("steps"):
+            accuracy = f"accuracy {s['accuracy_last']:.3f}; " if s["accuracy_last"] is not None else ""
             typer.echo(
                 f"reward {s['reward_first']:.3f} (first 10 steps) -> {s['reward_last']:.3f} (last 10); "
-                f"accuracy {s['accuracy_last']:.3f}; {s['steps']} steps in {s['wall_s']:.0f} s"
+                f"{accuracy}{s['steps']} steps in {s['wall_s']:.0f} s"
             )
         typer.echo(
             f"results: {cfg.run_dir / 'stage_result.json'}, "

@@ -8,6 +8,8 @@ resolved config (defaults included) is written into the run directory.
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -175,25 +177,59 @@ class LossConfig(Struct):
             )
 
 
-class RewardConfig(Struct):
-    """How a sample is scored (rewards.score): correct * correct + format and overlong terms,
-    which only ever subtract."""
+BUILTIN_REWARDS = ("correct", "format", "overlong")  # trainer_svc.reward_functions.BUILTINS
+# A user's reward function: "package.module:function", importable from PYTHONPATH.
+USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+# The keys [reward] had before reward functions, and what replaced them.
+RETIRED_REWARD_KEYS = {"correct": "correct", "format_weight": "format", "overlong_weight": "overlong"}
 
-    correct: float = 1.0  # reward of a correct answer
-    format_weight: NonNegativeFloat = 0.0  # subtracted when the completion is not exactly an answer
+
+class RewardConfig(Struct):
+    """How a sample is scored (trainer_svc.reward_functions): the weighted sum of reward functions,
+    each called on a sampling call's completions. The default is the verifier's 0/1 correctness,
+    plus the format and overlong penalties, which only ever subtract."""
+
+    # Built-in names (correct, format, overlong) or a user's "package.module:function".
+    functions: list[str] = msgspec.field(default_factory=lambda: list(BUILTIN_REWARDS))
+    # One per function: total = sum(weight * value). The default is the reward before reward
+    # functions existed: correct answers 1, the format penalty off, the overlong one on (off while
+    # overlong_buffer = 0).
+    weights: list[float] = msgspec.field(default_factory=lambda: [1.0, 0.0, 1.0])
     overlong_buffer: NonNegative = 0  # DAPO soft overlong penalty width in tokens; 0: off
-    overlong_weight: NonNegativeFloat = 1.0  # scale of the overlong penalty (which lies in [-1, 0])
+    timeout_s: PositiveFloat = 30.0  # longest one call of a user's function may take; past it the run stops
     # A control experiment, off in real runs: each step's rewards are permuted across its
     # samples, so updates happen with no reward signal. A run that still "learns" so is
     # learning from something other than the reward.
     shuffle_control: bool = False
 
     def __post_init__(self) -> None:
-        # Decoding checks these already; code that builds a RewardConfig gets the same refusal.
-        # Negative weights would turn the shaping terms into bonuses.
-        for name in ("format_weight", "overlong_weight", "overlong_buffer"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"reward.{name} must be >= 0, got {getattr(self, name)}")
+        # Decoding checks types; code that builds a RewardConfig gets the same refusals.
+        if not self.functions:
+            raise ValueError('reward.functions is empty: name at least one reward function (default: "correct")')
+        if len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} value{'s' * (len(self.weights) != 1)} for "
+                f"{len(self.functions)} reward.functions "
+                f"{self.functions}: give one weight per function, in the same order"
+            )
+        for index, (name, weight) in enumerate(zip(self.functions, self.weights, strict=True)):
+            if name not in BUILTIN_REWARDS and not USER_REWARD.fullmatch(name):
+                raise ValueError(
+                    f"reward.functions[{index}] = {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
+                    'a function of yours written "package.module:function"'
+                )
+            if not math.isfinite(weight):
+                raise ValueError(f"reward.weights[{index}] (for {name!r}) = {weight} is not a finite number")
+            # The built-ins' values are 0/1 (correct) and penalties in [-1, 0] (format, overlong): a
+            # negative weight would reward wrong answers, bad form or running long.
+            if name in BUILTIN_REWARDS and weight < 0:
+                raise ValueError(
+                    f"reward.weights[{index}] = {weight} for the built-in {name!r} is negative: {name} "
+                    + ("is 1 for a correct answer" if name == "correct" else "is a penalty, in [-1, 0]")
+                    + ", so a negative weight would reward what it punishes; use a weight >= 0 (0: logged only)"
+                )
+        if len(set(self.functions)) != len(self.functions):
+            raise ValueError(f"reward.functions {self.functions} names a function twice; name each once")
 
 
 class PublishConfig(Struct):
@@ -282,17 +318,32 @@ class ConfigError(ValueError):
 def load(path: str | Path, *, smoke: bool = False) -> Config:
     path = Path(path)
     try:
-        config = msgspec.toml.decode(path.read_bytes(), type=Config)
+        text = path.read_bytes()
+        config = msgspec.toml.decode(text, type=Config)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from None
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{path}: {_retired_reward_keys(text) or exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
     config = _resolve_paths(config)
     return smoke_shape(config) if smoke else config
+
+
+def _retired_reward_keys(text: bytes) -> str | None:
+    """What to write instead, for a [reward] section with the keys reward functions replaced."""
+    section = msgspec.toml.decode(text).get("reward")
+    retired = [key for key in RETIRED_REWARD_KEYS if isinstance(section, dict) and key in section]
+    if not retired:
+        return None
+    defaults = {"correct": 1.0, "format_weight": 0.0, "overlong_weight": 1.0}
+    weights = [float(section.get(key, default)) for key, default in defaults.items()]
+    return (
+        f"reward.{', reward.'.join(retired)}: replaced by reward.functions and reward.weights (one weight per "
+        f"function). The same reward is: functions = {list(BUILTIN_REWARDS)}, weights = {weights}".replace("'", '"')
+    )
 
 
 def _resolve_paths(config: Config) -> Config:

@@ -2,7 +2,8 @@
 expensive work. Each refusal raises GateRefused (exit code 3) with what to change.
 
     config      denominator arithmetic, sync cadence, gradient clipping, canary armed
-    ceiling     the reward scores a perfect policy ~100% and a wrong one ~0% (receipt saved)
+    ceiling     the reward scores a perfect policy ~100% and a wrong one ~0% (receipt saved);
+                skipped, and the receipt says why, where no `correct` or no gold judges it
     band        the band file was made from this model (its manifest says so)
     topology    the rollout worker's device is visible and is not a training rank's
     horizon     the schedule's horizon is the configured number of steps, also after a resume
@@ -11,6 +12,7 @@ expensive work. Each refusal raises GateRefused (exit code 3) with what to chang
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -19,14 +21,17 @@ from pathlib import Path
 from protocol import answers, exit_codes
 from protocol.content_id import weights_content_id
 
-from .config import Config
+from .config import BUILTIN_REWARDS, Config, RewardConfig
 from .data import Problem
 from .outputs import write_json_atomic
-from .rewards import Verifier, score
+from .reward_functions import Rewards
+from .rewards import Verifier
 
 CEILING_PERFECT_MIN = 0.99
 CEILING_WRONG_MAX = 0.01
 RECEIPT = "ceiling_receipt.json"
+
+log = logging.getLogger(__name__)
 
 
 class GateRefused(RuntimeError):
@@ -46,7 +51,7 @@ def run_all(
     receipt = ceiling_receipt(cfg, problems, tokenizer, verifier)
     if is_main:  # rank 0 keeps the receipt
         check_ceiling(receipt, cfg.run_dir)
-    elif receipt["perfect_rate"] < CEILING_PERFECT_MIN or receipt["wrong_rate"] > CEILING_WRONG_MAX:
+    elif ceiling_refuses(receipt):
         raise GateRefused("ceiling", "see rank 0")
     band = check_band(cfg)
     live = None
@@ -57,7 +62,8 @@ def run_all(
     import torch
 
     topology = check_topology(cfg, world_size, torch.cuda.device_count(), live)
-    ceiling = {k: receipt[k] for k in ("perfect_rate", "wrong_rate", "n")}
+    keys = ("skipped",) if "skipped" in receipt else ("perfect_rate", "wrong_rate", "n")
+    ceiling = {k: receipt[k] for k in keys}
     return {"ceiling": ceiling, "band": band, "topology": topology}
 
 
@@ -98,35 +104,57 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def ceiling_receipt(cfg: Config, problems: list[Problem], tokenizer, verifier: Verifier) -> dict:
-    """Score each problem's gold written as a perfect policy writes it, and a wrong answer.
+    """Score each problem's gold written as a perfect policy writes it, and a wrong answer, through
+    the built-in reward functions configured (correct, format, overlong, at their weights).
 
-    A perfect completion is the gold text, ended by the model itself; it must get the full
-    reward (`reward.correct`), format and length terms included. A wrong one (gold + 1) must not
-    count as correct. A reward that cannot tell them apart trains nothing (the 0/100 trap)."""
+    A perfect completion is the gold text, ended by the model itself; the built-ins must give it
+    their maximum, the weight of `correct` (format and overlong only subtract). A wrong one
+    (gold + 1) must not count as correct. A reward that cannot tell them apart trains nothing (the
+    0/100 trap). This is well defined only through `correct` and a gold: without `correct` in
+    reward.functions, or without a problem that has a gold, the gate is skipped and the receipt
+    says why. A user's functions are not judged (their maximum is not known)."""
+    builtins = [
+        (name, w) for name, w in zip(cfg.reward.functions, cfg.reward.weights, strict=True) if name in BUILTIN_REWARDS
+    ]
+    users = [name for name in cfg.reward.functions if name not in BUILTIN_REWARDS]
+    golden = [p for p in problems if p.gold is not None]
+    skipped = None
+    if "correct" not in cfg.reward.functions:
+        skipped = 'reward.functions has no "correct": the gate judges perfect and wrong answers through it'
+    elif not golden:
+        skipped = "no problem has a gold answer to write a perfect and a wrong completion from"
+    if skipped is not None:
+        return {"skipped": skipped, "n": 0, "not_judged": users, "created_at": time.time()}
+    judged = RewardConfig(
+        functions=[name for name, _ in builtins],
+        weights=[w for _, w in builtins],
+        overlong_buffer=cfg.reward.overlong_buffer,
+    )
+    from .rollout import Group, Sample  # here: rollout imports this module
+
+    rewards = Rewards(judged, verifier, cfg.rollout.max_tokens)
+    best_total = dict(builtins)["correct"]
+    eos = [tokenizer.eos_token_id]
     perfect, wrong, failures = 0, 0, []
-    for p in problems:
-        tokens = len(tokenizer(p.gold, add_special_tokens=False)["input_ids"]) + 1  # + end of sequence
-        best = score([(p.gold, "stop", tokens)], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)[0]
-        if best.total >= cfg.reward.correct - 1e-9:
+    for p in golden:
+        ids = tokenizer(p.gold, add_special_tokens=False)["input_ids"] + eos  # ended by itself
+        group = Group([], [Sample(ids, [], p.gold, "stop"), Sample(ids, [], _wrong(p.gold), "stop")])
+        (scored,) = rewards.score([p], [group], "ceiling gate")
+        if scored.totals[0] >= best_total - 1e-9:
             perfect += 1
         elif len(failures) < 5:
-            failures.append(
-                {
-                    "prompt": p.prompt,
-                    "gold": p.gold,
-                    "reward": best.total,
-                    "correct": best.correct,
-                    "format_ok": best.format_ok,
-                }
-            )
-        bad = score([(_wrong(p.gold), "stop", tokens)], p.gold, cfg.reward, verifier, cfg.rollout.max_tokens)[0]
-        wrong += bad.correct
-    n = len(problems)
+            values = {name: v[0] for name, v in scored.values.items()}
+            failures.append({"prompt": p.prompt, "gold": p.gold, "reward": scored.totals[0], "values": values})
+        wrong += scored.correct[1]
+    n = len(golden)
     return {
         "n": n,
+        "without_gold": len(problems) - n,
         "perfect_rate": perfect / n,
         "wrong_rate": wrong / n,
         "failures": failures,
+        "judged_by": [name for name, _ in builtins],
+        "not_judged": users,
         "created_at": time.time(),
     }
 
@@ -138,9 +166,17 @@ def _wrong(gold: str) -> str:
     return str(number + 1) if number is not None else f"{gold}+1"
 
 
+def ceiling_refuses(receipt: dict) -> bool:
+    return "skipped" not in receipt and (
+        receipt["perfect_rate"] < CEILING_PERFECT_MIN or receipt["wrong_rate"] > CEILING_WRONG_MAX
+    )
+
+
 def check_ceiling(receipt: dict, run_dir: Path) -> None:
     write_json_atomic(run_dir / RECEIPT, receipt)  # a relaunch on a full disk keeps the last one whole
-    if receipt["perfect_rate"] < CEILING_PERFECT_MIN or receipt["wrong_rate"] > CEILING_WRONG_MAX:
+    if "skipped" in receipt:
+        log.warning("launch gate 'ceiling' skipped: %s (receipt: %s)", receipt["skipped"], run_dir / RECEIPT)
+    if ceiling_refuses(receipt):
         raise GateRefused(
             "ceiling",
             f"a perfect policy would score {receipt['perfect_rate']:.0%} and a wrong one {receipt['wrong_rate']:.0%} "

@@ -166,13 +166,18 @@ def summary(rows: list[dict], window: int = 10) -> dict:
         "reward_first": sum(first) / len(first),
         "reward_last": sum(last) / len(last),
         "reward_gain": sum(last) / len(last) - sum(first) / len(first),
-        "accuracy_last": sum(r["accuracy"] for r in rows[-window:]) / len(rows[-window:]),
+        # Over the last steps that measured it (rows with a gold); None where none did.
+        "accuracy_last": _mean_or_none([r["accuracy"] for r in rows[-window:] if "accuracy" in r]),
         "mismatch_mean": sum(r["mismatch_mean"] for r in rows) / len(rows),
         "mismatch_max": max(r["mismatch_max"] for r in rows),
         "dead_groups": sum(r["dead_groups"] for r in rows),
         "dead_groups_after_retry": sum(r["dead_groups_after_retry"] for r in rows),
         "wall_s": sum(r["step_s"] for r in rows),
     }
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 class Progress:
@@ -187,11 +192,9 @@ class Progress:
 
     def update(self, row: dict) -> None:
         if self.bar is not None:
+            accuracy = {"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}
             self.bar.set_postfix(
-                reward=f"{row['reward_mean']:.3f}",
-                acc=f"{row['accuracy']:.2f}",
-                loss=f"{row['loss']:.3f}",
-                refresh=False,
+                reward=f"{row['reward_mean']:.3f}", **accuracy, loss=f"{row['loss']:.3f}", refresh=False
             )
             self.bar.update(1)
 

@@ -1,19 +1,24 @@
-"""Rewards: a verifier, format and overlong shaping, and the score of each sample.
+"""The built-in reward terms and the verifier behind them.
+
+Each built-in is a reward function in the calling convention of trainer_svc.reward_functions
+(keyword arguments, one float per completion), named in `reward.functions` by its short name:
+
+    correct    1.0 where the completion's answer equals the row's gold, else 0.0. The answer and
+               its equality follow protocol.answers (the one definition of a correct answer,
+               which eval jobs use too), with math-verify as a second opinion where that module
+               cannot decide (Verifier).
+    format     0.0 where the completion ended by itself and is exactly an answer (format_ok),
+               else -1.0: a penalty.
+    overlong   DAPO's soft overlong penalty of the completion's length, in [-1, 0]
+               (overlong_penalty; 0 while reward.overlong_buffer = 0).
 
     verifier = Verifier()
-    rewards = score([("20", "stop", 3), ("2", "length", 4)], gold="20",
-                    cfg=RewardConfig(), verifier=verifier, max_tokens=4)
-    [r.total for r in rewards]   # [1.0, 0.0]
+    CorrectAnswer(verifier)(completions=["20", "2"], prompts=["3+17="] * 2, gold=["20", "20"])  # [1.0, 0.0]
     verifier.close()
 
-The reward of a sample is
-
-    total = correct * cfg.correct + format_weight * (format_ok - 1) + overlong_weight * overlong
-
-where `correct` follows protocol.answers (the one definition of a correct answer, which eval
-jobs use too), with math-verify as a second opinion where that module cannot decide. With the
-default RewardConfig (the config's [reward] section) the total is exactly 0 or 1, and the shaping terms only subtract: a
-correct, well-formed answer that ends well before the token cap earns exactly `cfg.correct`.
+With the default weights (1, 0, 1) the reward is exactly 0 or 1 and the shaping terms only
+subtract: a correct, well-formed answer that ends well before the token cap earns exactly the
+weight of `correct`.
 
 math-verify arms signal.alarm for its own timeouts, which works only on the main thread. Here it
 runs with those timeouts off, in a one-worker process pool, under a timeout of our own; a worker
@@ -25,16 +30,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from multiprocessing import get_context
 
 from protocol import answers
 from protocol.answers import extract_answer
-
-from .config import RewardConfig
 
 ANSWER_FORMAT = r"-?\d+"  # the arithmetic task: digits, maybe a leading minus, nothing else
 
@@ -170,7 +172,7 @@ class Verifier:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-# -- shaping and scoring -------------------------------------------------------------------------
+# -- the built-in reward functions ---------------------------------------------------------------
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
@@ -188,33 +190,31 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
     return min(0.0, (max_tokens - buffer - length) / buffer)
 
 
-@dataclass(frozen=True)
-class RewardBreakdown:
-    total: float
-    correct: bool
-    format_ok: bool
-    overlong: float  # DAPO's overlong penalty, in [-1, 0], before overlong_weight
+class CorrectAnswer:
+    """The built-in `correct`: 1.0 where a completion's answer equals its row's gold
+    (Verifier.is_correct), else 0.0. Every row needs a gold (checked at launch)."""
+
+    def __init__(self, verifier: Verifier):
+        self.verifier = verifier
+
+    def __call__(self, completions: list[str], prompts: list, *, gold: list[str], **kwargs) -> list[float]:
+        return [float(self.verifier.is_correct(text, answer)) for text, answer in zip(completions, gold, strict=True)]
 
 
-def score(
-    samples: Sequence[tuple[str, str, int]],
-    gold: str,
-    cfg: RewardConfig,
-    verifier: Verifier,
-    max_tokens: int,
-    format_pattern: str = ANSWER_FORMAT,
-) -> list[RewardBreakdown]:
-    """The reward of each sample (text, finish_reason, n_tokens) of one prompt, in order.
+def format_penalty(completions: list[str], prompts: list, *, finish_reasons: list[str], **kwargs) -> list[float]:
+    """The built-in `format`: 0.0 where a completion ended by itself and is exactly an answer
+    (format_ok with ANSWER_FORMAT), else -1.0."""
+    return [float(format_ok(text, reason)) - 1.0 for text, reason in zip(completions, finish_reasons, strict=True)]
 
-    total = cfg.correct * correct + cfg.format_weight * (format_ok - 1)
-            + cfg.overlong_weight * overlong_penalty(n_tokens, max_tokens, cfg.overlong_buffer)
-    The last term is DAPO's soft overlong punishment (Yu et al. 2025).
-    """
-    rewards = []
-    for text, finish_reason, n_tokens in samples:
-        correct = verifier.is_correct(text, gold)
-        well_formed = format_ok(text, finish_reason, format_pattern)
-        overlong = overlong_penalty(n_tokens, max_tokens, cfg.overlong_buffer)
-        total = cfg.correct * correct + cfg.format_weight * (well_formed - 1) + cfg.overlong_weight * overlong
-        rewards.append(RewardBreakdown(total, correct, well_formed, overlong))
-    return rewards
+
+class OverlongPenalty:
+    """The built-in `overlong`: overlong_penalty of each completion's length in tokens (the
+    end-of-sequence token of one that ended by itself included), in [-1, 0]."""
+
+    def __init__(self, buffer: int):
+        self.buffer = buffer
+
+    def __call__(
+        self, completions: list[str], prompts: list, *, completion_ids: list[list[int]], max_tokens: int, **kwargs
+    ) -> list[float]:
+        return [overlong_penalty(len(ids), max_tokens, self.buffer) for ids in completion_ids]

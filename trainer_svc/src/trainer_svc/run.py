@@ -37,6 +37,7 @@ from .model import (
     resolve_dtype,
 )
 from .outputs import Outputs
+from .reward_functions import Rewards
 from .rewards import Verifier
 from .sampling import Sampler, StepSampler, WeightsRef
 from .train_step import Policy, make_optimizer, make_scheduler
@@ -82,6 +83,7 @@ class Run:
     policy: Policy
     stream: PromptStream
     verifier: Verifier
+    rewards: Rewards
     tripwire: CollapseTripwire
     state: RunState
     latest: Checkpoint | None  # the newest checkpoint: what a relaunch resumes from
@@ -106,6 +108,7 @@ class Run:
 
     def close(self) -> None:
         self.verifier.close()
+        self.rewards.close()
         self.sample.close()
         self.out.close()
         if self.dist.world_size > 1:
@@ -149,9 +152,15 @@ def setup(cfg: Config, stage: str, make_sampler: MakeSampler | None = None) -> R
 
 def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | None) -> Run:
     train_problems, held_out = load_problems(cfg.data, cfg.run.seed)
+    verifier = Verifier()
+    # Rows the reward functions cannot score are refused, and the user's functions are imported
+    # (in their worker, on the rank that scores), before the gates.
+    rewards = Rewards(cfg.reward, verifier, cfg.rollout.max_tokens, train_problems + held_out)
+    if dist_info.is_main:
+        rewards.start()
+    Canary.check(cfg, held_out)
     tokenizer = load_tokenizer(cfg.model.path)
     check_chat_template(train_problems + held_out, tokenizer, cfg.model.path)
-    verifier = Verifier()
     gate_figures = gates.run_all(
         cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier
     )
@@ -180,12 +189,13 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         policy=policy,
         stream=stream,
         verifier=verifier,
+        rewards=rewards,
         tripwire=tripwire,
         state=state,
         latest=latest,
         weights=weights,
         sync=sync,
-        sample=StepSampler(sampler, stream, verifier, cfg, dist_info, state.in_flight, state.spares),
+        sample=StepSampler(sampler, stream, rewards, cfg, dist_info, state.in_flight, state.spares),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row)
         if dist_info.is_main

@@ -28,7 +28,7 @@ Guarantees:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,7 +37,7 @@ from . import grpo
 from .config import Config
 from .data import Problem, PromptStream
 from .model import Distributed
-from .rewards import RewardBreakdown, Verifier, score
+from .reward_functions import GroupScores, Rewards
 from .rollout import Group, Ticket, WeightsRef
 from .spares import SpareSizer
 
@@ -103,7 +103,7 @@ class StepRollouts:
     problems: list[Problem]
     groups: list[Group]
     rewards: torch.Tensor  # [P, G]
-    breakdowns: list[list[RewardBreakdown]]
+    scores: list[GroupScores]  # [P]: each group's totals and each reward function's values
     advantages: torch.Tensor  # [P, G]
     dead_initial: int  # dead groups among the step's own prompts in the first sampling
     dead_final: int  # dead groups left after the spares and the retries
@@ -114,7 +114,9 @@ class StepRollouts:
     spares_used: int = 0  # dead groups replaced by spare groups of the first sampling
     spares: int = 0  # spare prompts the first sampling carried
     generate_s: float = 0.0  # waiting for the rollout service (generation, queueing, reloads)
-    score_s: float = 0.0  # rewards: answer extraction, verifier, shaping
+    score_s: float = 0.0  # rewards: the reward functions' calls
+    # Each reward function's mean value (unweighted) over the first sampling, by its name.
+    reward_terms: dict[str, float] = field(default_factory=dict)
 
 
 class StepSampler:
@@ -127,13 +129,13 @@ class StepSampler:
         self,
         sampler: Sampler | None,
         stream: PromptStream,
-        verifier: Verifier,
+        rewards: Rewards,
         cfg: Config,
         dist_info: Distributed,
         in_flight: list[dict] = (),
         spares: dict | None = None,
     ):
-        self.sampler, self.stream, self.verifier, self.cfg, self.dist = sampler, stream, verifier, cfg, dist_info
+        self.sampler, self.stream, self.rewards, self.cfg, self.dist = sampler, stream, rewards, cfg, dist_info
         self.spares = SpareSizer(cfg.rollout, spares)
         self.in_flight: dict[int, InFlight] = {}
         if sampler is not None:
@@ -194,16 +196,10 @@ class StepSampler:
             began = time.monotonic()
             groups = self.sampler.collect(flight.ticket)
             sampled = time.monotonic()
-            scored = [
-                score(
-                    [(s.text, s.finish_reason, len(s.token_ids)) for s in g.samples],
-                    p.gold,
-                    cfg.reward,
-                    self.verifier,
-                    cfg.rollout.max_tokens,
-                )
-                for p, g in zip(flight.problems, groups, strict=True)
-            ]
+            ticket = flight.ticket
+            # Numbered as metrics.jsonl numbers steps (the first is 1).
+            where = f"step {ticket.step + 1}" + (f", dead-group retry {ticket.attempt}" if ticket.attempt else "")
+            scored = self.rewards.score(flight.problems, groups, where)
             spent["generate"] += sampled - began
             spent["score"] += time.monotonic() - sampled
             return groups, scored
@@ -216,36 +212,37 @@ class StepSampler:
             # Sampled by weights too old to train on: the same prompts again, from the newest.
             dropped = len(first.problems)
             first = self._send(step, weights, 0, first.problems)
-        groups, breakdowns = collect_and_score(first)
-        reward_first = sum(b.total for group in breakdowns for b in group) / sum(len(group) for group in breakdowns)
-        self.spares.observe(sum(_is_dead(b) for b in breakdowns), len(breakdowns))
+        groups, scores = collect_and_score(first)
+        reward_first = _mean([t for s in scores for t in s.totals])
+        reward_terms = {name: _mean([v for s in scores for v in s.values[name]]) for name in self.rewards.names}
+        self.spares.observe(sum(_is_dead(s) for s in scores), len(scores))
         own = cfg.rollout.prompts_per_step
         problems, spares = list(first.problems[:own]), range(own, len(first.problems))
-        live_spares = [i for i in spares if not _is_dead(breakdowns[i])]
-        dead = [i for i in range(own) if _is_dead(breakdowns[i])]
+        live_spares = [i for i in spares if not _is_dead(scores[i])]
+        dead = [i for i in range(own) if _is_dead(scores[i])]
         dead_initial, retries, spares_used = len(dead), 0, min(len(dead), len(live_spares))
         for slot, spare in zip(dead, live_spares, strict=False):
-            problems[slot], groups[slot], breakdowns[slot] = first.problems[spare], groups[spare], breakdowns[spare]
-        dead, groups, breakdowns = dead[spares_used:], groups[:own], breakdowns[:own]
+            problems[slot], groups[slot], scores[slot] = first.problems[spare], groups[spare], scores[spare]
+        dead, groups, scores = dead[spares_used:], groups[:own], scores[:own]
         retry = None
         if dead and cfg.loss.dead_group_retries:
             retry = self._send(step, weights, 1, self.stream.take(len(dead)))
         self._top_up(step, weights)  # after the retry: a worker serves that first, the next steps meanwhile
         while retry is not None:
-            new_groups, new_breakdowns = collect_and_score(retry)
+            new_groups, new_scores = collect_and_score(retry)
             retries += 1
             still_dead = []
-            for slot, problem, group, scored in zip(dead, retry.problems, new_groups, new_breakdowns, strict=False):
+            for slot, problem, group, scored in zip(dead, retry.problems, new_groups, new_scores, strict=False):
                 if _is_dead(scored):
                     still_dead.append(slot)
                 else:
-                    problems[slot], groups[slot], breakdowns[slot] = problem, group, scored
+                    problems[slot], groups[slot], scores[slot] = problem, group, scored
             dead = still_dead
             attempt = retry.ticket.attempt + 1
             retry = None
             if dead and attempt <= cfg.loss.dead_group_retries:
                 retry = self._send(step, weights, attempt, self.stream.take(len(dead)))
-        rewards = torch.tensor([[b.total for b in group] for group in breakdowns], dtype=torch.float32)
+        rewards = torch.tensor([s.totals for s in scores], dtype=torch.float32)
         if cfg.reward.shuffle_control:
             order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
             rewards = rewards.flatten()[order].view_as(rewards)
@@ -254,7 +251,7 @@ class StepSampler:
             problems,
             groups,
             rewards,
-            breakdowns,
+            scores,
             advantages,
             dead_initial,
             len(dead),
@@ -266,15 +263,24 @@ class StepSampler:
             spares=len(first.problems) - own,
             generate_s=spent["generate"],
             score_s=spent["score"],
+            reward_terms=reward_terms,
         )
 
 
-def _is_dead(breakdowns: list[RewardBreakdown]) -> bool:
-    return len({b.total for b in breakdowns}) == 1
+def _is_dead(scores: GroupScores) -> bool:
+    return len(set(scores.totals)) == 1
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def summarize(r: StepRollouts) -> dict:
-    flat = [b for group in r.breakdowns for b in group]
+    """A step's metrics row (rewards, accuracy, lengths, dead groups, staleness, timings).
+    `accuracy` and `format_rate` are over the trained batch's samples whose row has a gold, and
+    left out where none has; `reward/<name>` is each reward function's mean over the first sampling."""
+    correct = [c for s in r.scores if s.correct is not None for c in s.correct]
+    well_formed = [f for s in r.scores if s.format_ok is not None for f in s.format_ok]
     # Answer tokens: the end-of-sequence token that closes a finished sample is not part of it.
     lengths = [len(s.token_ids) - (s.finish_reason == "stop") for g in r.groups for s in g.samples]
     return {
@@ -284,8 +290,8 @@ def summarize(r: StepRollouts) -> dict:
         "reward_first": r.reward_first,
         "reward_trained": float(r.rewards.mean()),
         "reward_std": float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
-        "accuracy": sum(b.correct for b in flat) / len(flat),
-        "format_rate": sum(b.format_ok for b in flat) / len(flat),
+        **({"accuracy": _mean(correct), "format_rate": _mean(well_formed)} if correct else {}),
+        **{f"reward/{name}": value for name, value in r.reward_terms.items()},
         "response_length": sum(lengths) / len(lengths),
         "dead_groups": r.dead_initial,
         "dead_groups_after_retry": r.dead_final,
