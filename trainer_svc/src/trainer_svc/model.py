@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,10 +90,21 @@ def compile_enabled(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
+def use_compile_cache() -> str:
+    """Where torch.compile keeps what it compiled (inductor's graph and autograd caches and its
+    Triton kernels), so that a relaunch, or another run of the same model, loads them instead of
+    compiling again: TORCHINDUCTOR_CACHE_DIR when the user set it, else a user cache that
+    outlives the launch and /tmp, $XDG_CACHE_HOME/trainer-svc/torchinductor (~/.cache/...).
+    Takes effect before the first compilation of the process; returns the directory."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainer-svc" / "torchinductor"
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default))
+
+
 def compile_layers(model) -> None:
     """Each decoder layer compiled in place. Sequence lengths vary from step to step, so the
     shapes are dynamic from the start (one compilation, not one per length). Activation
     checkpointing and FSDP2 wrap the compiled layer from outside."""
+    use_compile_cache()
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
 

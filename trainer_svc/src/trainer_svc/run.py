@@ -35,6 +35,7 @@ from .model import (
     load_reference,
     load_tokenizer,
     resolve_dtype,
+    use_compile_cache,
 )
 from .outputs import Outputs
 from .reward_functions import Rewards
@@ -211,6 +212,8 @@ def setup_process(cfg: Config, dist_info: Distributed) -> None:
     hf_logging.disable_progress_bar()  # a bar per checkpoint save would bury the run's own
     if dist_info.device.type == "cpu" and cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
+    if compile_enabled(cfg.model.compile, dist_info.device):
+        log.info("torch.compile cache: %s", use_compile_cache())  # before anything compiles
     if dist_info.device.type == "cuda" and cfg.rollout.colocate:  # the worker's share stays the worker's
         torch.cuda.set_per_process_memory_fraction(1.0 - cfg.rollout.colocate_gpu_memory, dist_info.device)
     torch.manual_seed(cfg.run.seed + dist_info.rank)
