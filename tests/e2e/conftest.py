@@ -24,6 +24,7 @@ from protocol.spool import Spool
 BIN = Path(sys.executable).parent
 ENGINE_START_TIMEOUT_S = 420.0
 TESTS = Path(__file__).resolve().parent.parent
+REAL_MODEL = TESTS.parent / "build" / "smollm2-135m-instruct"  # `make real-model`
 if str(TESTS) not in sys.path:
     sys.path.append(str(TESTS))  # helpers shared with the other tiers (torn_reads)
 
@@ -167,6 +168,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "b": build_model(root / "b", seed=1),
         "wide": build_model(root / "wide", seed=2, hidden=192),
     }
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as `make real-model` builds it (`make test` does first)."""
+    if not (REAL_MODEL / "manifest.json").is_file():
+        pytest.fail(f"{REAL_MODEL} is missing: run `make real-model` (`make test` builds it first)")
+    return REAL_MODEL
 
 
 @pytest.fixture(scope="session")

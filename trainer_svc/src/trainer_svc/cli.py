@@ -1,4 +1,4 @@
-"""`trainer-svc`: train (GRPO), sft (warm-up), plot. Heavy imports happen inside commands, so
+"""`trainer-svc`: train (GRPO), sft (warm-up), band, plot, import-gguf. Heavy imports happen inside commands, so
 `--help` and config errors are instant. Exit codes: protocol.exit_codes (README table)."""
 
 from __future__ import annotations
@@ -198,6 +198,37 @@ def plot(
     except ValueError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     typer.echo(f"plot written to {path}")
+
+
+@app.command("import-gguf")
+def import_gguf(
+    gguf_file: Annotated[Path, typer.Argument(help="A GGUF model file (llama.cpp's format, any quantization).")],
+    out_dir: Annotated[Path, typer.Argument(help="The HF directory to write; an existing one is replaced whole.")],
+    dtype: Annotated[str, typer.Option(help="The weights' dtype: bfloat16, float16 or float32.")] = "bfloat16",
+    expect: Annotated[
+        Path | None, typer.Option(help="A pin file: put OUT_DIR in place only if its content id is the pinned one.")
+    ] = None,
+    write_pin: Annotated[Path | None, typer.Option(help="Then pin the result in this file (for --expect).")] = None,
+) -> None:
+    """Import a GGUF model as an HF directory (dequantized safetensors, config, tokenizer with its chat
+    template, generation config), deterministically, for model.path and the rollout workers."""
+    from .gguf_import import ImportFailed, ImportMismatch
+    from .gguf_import import import_gguf as run_import
+    from .gguf_import import write_pin as pin
+
+    try:
+        done = run_import(gguf_file, out_dir, dtype=dtype, expect=expect)
+    except ImportFailed as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    except ImportMismatch as exc:
+        raise _fail(exit_codes.INTERNAL_ERROR, str(exc)) from None
+    if write_pin is not None:
+        pin(done.path, write_pin)
+    typer.echo(
+        f"{done.path}: {done.parameters:,} parameters in {dtype}, {done.bytes / 1e6:.1f} MB; content id "
+        f"{done.content_id}; an assistant turn ends with token id(s) {done.end_of_turn}"
+        + (f"; pinned in {write_pin}" if write_pin is not None else "")
+    )
 
 
 def main() -> None:
