@@ -13,12 +13,14 @@ the real model served (GRPO steps on it, say) asks for `real_worker`.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from conftest import ServedWorker, keep_running
+from run_config import write_run_config
 
 from protocol.messages import ChatTurn, Request
 from protocol.spool import Spool
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_PYTHON = ROOT / ".venvs" / "trainer" / "bin" / "python"
+TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
 PIN = ROOT / "configs" / "models" / "smollm2-135m-instruct.pin.json"
 WORKER = "e2e-real"
 MAX_MODEL_LEN = 512  # chat prompts here are under 60 tokens; a small limit keeps the engine cheap
@@ -131,3 +134,81 @@ def test_a_greedy_answer_is_right_and_ends_its_turn(real_worker, real_model, cli
     assert ids[-1] == generation["eos_token_id"] == 2 and "<|im_end|>" not in text
     # The content id the worker reports is the pinned one (make real-model checked the build against it).
     assert result.weights_content_id == json.loads(PIN.read_text())["content_id"]
+
+
+# -- GRPO on the real model ------------------------------------------------------------------------
+
+USER_REWARDS = '''
+"""A reward users write: as many digits in the completion as the row's `digits` field says."""
+
+
+def digit_count(completions, prompts, digits, **kwargs):
+    return [float(sum(ch.isdigit() for ch in text) == want) for text, want in zip(completions, digits)]
+'''
+
+SYSTEM_PROMPT = "Answer with the number only."
+
+
+def addition_rows(n: int) -> list[dict]:
+    """Chat rows of two-digit sums, with a field of their own for the user's reward."""
+    rows = []
+    for i in range(n):
+        a, b = 11 + 7 * i % 80, 23 + 5 * i % 70
+        question = [{"role": "user", "content": f"What is {a}+{b}?"}]
+        rows.append({"messages": question, "answer": a + b, "digits": len(str(a + b))})
+    return rows
+
+
+def test_grpo_steps_on_parquet_chat_rows_with_a_user_reward_function(real_worker, real_model, tmp_path):
+    """The whole path a user takes: conversations from a Parquet file with a system prompt, the
+    worker rendering them with the model's chat template, the built-in verifier and a reward
+    function from a module on PYTHONPATH, two GRPO steps with the published weights served by
+    the worker. The prompt ids the trainer trained on are the trainer tokenizer's own rendering."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = tmp_path / "sums.parquet"
+    pq.write_table(pa.Table.from_pylist(addition_rows(12)), rows)
+    module_dir = tmp_path / "user_code"
+    module_dir.mkdir()
+    (module_dir / "my_rewards.py").write_text(USER_REWARDS)
+    run_dir = tmp_path / "run"
+    config = write_run_config(
+        tmp_path / "run.toml",
+        {
+            "run": {"dir": run_dir, "seed": 3},
+            "model": {"path": real_model, "compile": "off"},
+            "data": {"task": "file", "path": rows, "system_prompt": SYSTEM_PROMPT, "held_out": 2},
+            "rollout": {
+                "spawn": False, "spool": real_worker.spool.root, "prompts_per_step": 2, "samples_per_prompt": 4,
+                "max_tokens": 8, "temperature": 1.0, "timeout_s": 600.0,
+            },
+            "train": {"steps": 2, "lr": 1e-5},
+            "loss": {"dead_group_retries": 0},
+            "reward": {"functions": ["correct", "my_rewards:digit_count"], "weights": [1.0, 0.5]},
+            "publish": {"dir": tmp_path / "weights"},
+            "tripwire": {"armed": False},
+        },
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(module_dir), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [str(TRAINER), "train", str(config)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0.0 <= m["reward/my_rewards:digit_count"] <= 1.0 for m in metrics)
+    assert all("reward/correct" in m and "accuracy" in m for m in metrics)
+    # Step 2 was sampled from the weights step 1 published: the worker reloaded them.
+    served = [json.loads(p.read_text()) for p in real_worker.spool.done.glob(f"{run_dir.name}-train-*.result.json")]
+    assert {Path(r["weights_dir"]).parent for r in served if r["ok"]} >= {tmp_path / "weights"}
+    # The ids trained on are the engine's; they equal the trainer venv's own chat rendering.
+    requests = [json.loads(p.read_text()) for p in real_worker.spool.done.glob(f"{run_dir.name}-train-*.request.json")]
+    conversations = [chat for request in requests for chat in request["messages"]]
+    assert all(chat[0] == {"role": "system", "content": SYSTEM_PROMPT} for chat in conversations)
+    rendered = trainer_tokenizer(real_model, conversations, [])["chats"]
+    engine_ids = {}
+    for request in requests:
+        result = json.loads(real_worker.spool.done.joinpath(f"{request['request_id']}.result.json").read_text())
+        engine_ids.update(zip(map(json.dumps, request["messages"]), result["prompt_token_ids"], strict=True))
+    assert [engine_ids[json.dumps(chat)] for chat in conversations] == rendered
