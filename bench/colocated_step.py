@@ -8,8 +8,8 @@ max(generation, train + publish).
 
 DIR is an HF model directory (SmolLM2-135M-Instruct in bf16 in docs/BENCHMARKS.md; on a machine
 without a GPU any small model, e.g. build/tiny-model, checks the script). The rows are
-`{"prompt", "gold"}` two-digit additions with the model's chat format applied here (its chat
-template; the demo's `a+b=` for a model without one). One `trainer-svc train` launch: `rollout.ahead = 1`,
+two-digit additions as chat rows, rendered by the worker with the model's chat template (the
+demo's `a+b=` text for a model without one). One `trainer-svc train` launch: `rollout.ahead = 1`,
 `rollout.colocate = true` on a GPU (the worker on the trainer's GPU, awake unless --sleep gives
 `rollout.colocate_sleep_s`), spares from --spares up to --spares-max as the dead rate asks
 (`rollout.spare_prompts_max`; --spares-max 0 keeps --spares fixed), tis, one retry.
@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,21 +53,18 @@ def trainer_command() -> list[str]:
 
 
 def write_rows(model: Path, path: Path) -> int:
-    """Every a + b with a, b in 10..99, in the model's chat format (`a+b=` for a model without
-    one), as {"prompt", "gold"} rows."""
+    """Every a + b with a, b in 10..99: for a model with a chat template the chat rows
+    configs/smollm2-gpu.toml trains on (one user turn each, rendered by the worker), else the
+    demo's `a+b=` text rows."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    if AutoTokenizer.from_pretrained(model).chat_template:
+        shutil.copyfile(ROOT / "configs" / "data" / "two_digit_sums.jsonl", path)
+        return sum(1 for _ in open(path))
     with open(path, "w") as out:
         for a in range(10, 100):
             for b in range(10, 100):
-                if tokenizer.chat_template:
-                    question = f"What is {a} + {b}? Answer with the number only."
-                    messages = [{"role": "user", "content": question}]
-                    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                else:  # the demo's format (build/tiny-model on CPU)
-                    prompt = f"{a}+{b}="
-                out.write(json.dumps({"prompt": prompt, "gold": str(a + b)}) + "\n")
+                out.write(json.dumps({"prompt": f"{a}+{b}=", "gold": str(a + b)}) + "\n")
     return 90 * 90
 
 
