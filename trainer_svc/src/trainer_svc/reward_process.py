@@ -165,13 +165,18 @@ class UserFunctions:
     def _kill(self) -> None:
         """Kill the worker, stuck as it is; the next call starts a fresh one."""
         pool, self._pool = self._pool, None
-        # ProcessPoolExecutor has no public way to stop a running task before Python 3.14.
-        processes = list(pool._processes.values())
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join()
-        pool.shutdown(wait=False, cancel_futures=True)
+        kill_pool(pool)
+
+
+def kill_pool(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's processes, whatever they are stuck in, and shut it down."""
+    # ProcessPoolExecutor has no public way to stop a running task before Python 3.14.
+    processes = list(pool._processes.values())
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 # -- in the worker -------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ from multiprocessing import get_context
 from protocol import answers
 from protocol.answers import extract_answer
 
+from .reward_process import kill_pool
+
 ANSWER_FORMAT = r"-?\d+"  # the arithmetic task: digits, maybe a leading minus, nothing else
 
 
@@ -163,13 +165,7 @@ class Verifier:
     def _kill_pool(self) -> None:
         """Kill the stuck worker; the next second opinion starts a fresh pool."""
         pool, self._pool = self._pool, None
-        # ProcessPoolExecutor has no public way to stop a running task before Python 3.14.
-        processes = list(pool._processes.values())
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join()
-        pool.shutdown(wait=False, cancel_futures=True)
+        kill_pool(pool)
 
 
 # -- the built-in reward functions ---------------------------------------------------------------
