@@ -26,4 +26,3 @@ def test_the_sums_rows_are_the_generators(tmp_path):
     out = tmp_path / "sums.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "two_digit_sums.py"), str(out)], check=True)
     assert out.read_bytes() == (ROOT / "configs" / "data" / "two_digit_sums.jsonl").read_bytes()
-
