@@ -101,7 +101,7 @@ def synthetic_step(args, seed: int):
     """Groups of random prompts and completions (lengths from half to all of the maximum)."""
     import torch
 
-    from trainer_svc.rollout import Group, Sample
+    from trainer_svc.rollout_types import Group, Sample
 
     g = torch.Generator().manual_seed(seed)
     groups = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer_svc.rollout import Group, Sample, Ticket
+from trainer_svc.rollout_types import Group, Sample, Ticket
 
 
 class TorchSampler:

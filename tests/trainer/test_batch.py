@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer_svc.batch import Batch, collate, micro_batches, rank_share
-from trainer_svc.rollout import Group, Sample
+from trainer_svc.rollout_types import Group, Sample
 
 torch.set_num_threads(1)
 

@@ -148,7 +148,7 @@ def tiny_policy(tiny_model, cfg):
 def rollouts(engine_logprob: float, prompts: int = 4, samples: int = 4):
     """Fixed groups of random tokens, advantages of both signs, the engine's logprobs all
     `engine_logprob`."""
-    from trainer_svc.rollout import Group, Sample
+    from trainer_svc.rollout_types import Group, Sample
     from trainer_svc.sampling import StepRollouts
 
     g = torch.Generator().manual_seed(1)

@@ -17,7 +17,8 @@ from conftest import ROLLOUT_SVC, make_config
 from protocol import exit_codes
 from protocol.spool import Spool, id_from_name, split_claimed_name
 from trainer_svc.loop import train
-from trainer_svc.rollout import RolloutService, WeightsRef
+from trainer_svc.rollout import RolloutService
+from trainer_svc.rollout_types import WeightsRef
 
 pytestmark = pytest.mark.timeout(900)
 

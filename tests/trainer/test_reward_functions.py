@@ -24,7 +24,7 @@ from trainer_svc.model import Distributed
 from trainer_svc.reward_functions import RewardFunctionError, Rewards
 from trainer_svc.reward_process import import_function
 from trainer_svc.rewards import Verifier, format_ok, overlong_penalty
-from trainer_svc.rollout import Group, Sample, Ticket, WeightsRef
+from trainer_svc.rollout_types import Group, Sample, Ticket, WeightsRef
 from trainer_svc.sampling import StepSampler, summarize
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,7 +19,8 @@ from failing_server import FailingSpoolServer, first
 
 from protocol.messages import ErrorCode, Result
 from protocol.spool import Spool
-from trainer_svc.rollout import RolloutFailed, RolloutService, RolloutUnavailable, Ticket, WeightsRef
+from trainer_svc.rollout import RolloutFailed, RolloutService, RolloutUnavailable
+from trainer_svc.rollout_types import Ticket, WeightsRef
 
 WEIGHTS = WeightsRef("/models/none", None, 3)  # the echo engine loads nothing
 

@@ -22,7 +22,7 @@ from trainer_svc.data import load_problems
 from trainer_svc.gates import GateRefused
 from trainer_svc.loop import train
 from trainer_svc.rewards import Verifier
-from trainer_svc.rollout import Sample
+from trainer_svc.rollout_types import Sample
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 

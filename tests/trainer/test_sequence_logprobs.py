@@ -22,7 +22,7 @@ import torch
 from trainer_svc.batch import collate
 from trainer_svc.grpo import logprobs_and_entropy
 from trainer_svc.model import Distributed, compile_layers, load_policy
-from trainer_svc.rollout import Group, Sample
+from trainer_svc.rollout_types import Group, Sample
 from trainer_svc.train_step import sequence_logprobs
 
 TEMPERATURE = 0.8

@@ -17,7 +17,7 @@ from trainer_svc.data import Problem, PromptStream
 from trainer_svc.model import Distributed
 from trainer_svc.reward_functions import Rewards
 from trainer_svc.rewards import Verifier
-from trainer_svc.rollout import Group, Sample, Ticket, WeightsRef
+from trainer_svc.rollout_types import Group, Sample, Ticket, WeightsRef
 from trainer_svc.sampling import StepSampler, summarize
 from trainer_svc.spares import SpareSizer
 

@@ -15,16 +15,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "deploy" / "slurm" / "grpo.sbatch"
 
+# Each call is one line written by one append: two workers recording at once never interleave.
 RECORDER = """#!/usr/bin/env bash
-printf '%s' "$(basename "$0")" >> "$CALLS"
-for a in "$@"; do printf ' %q' "$a" >> "$CALLS"; done
-printf ' CUDA_VISIBLE_DEVICES=%s\\n' "${CUDA_VISIBLE_DEVICES:-}" >> "$CALLS"
+line="$(basename "$0")"
+for a in "$@"; do line+=" $(printf '%q' "$a")"; done
+printf '%s CUDA_VISIBLE_DEVICES=%s\\n' "$line" "${CUDA_VISIBLE_DEVICES:-}" >> "$CALLS"
 """
 # The trainer's stand-in returns once the workers' stand-ins have recorded themselves: the script
 # stops its workers when the trainer ends, which could otherwise come before they started.
 TRAINER_STAND_IN = (
     RECORDER
-    + """for _ in $(seq 300); do
+    + """for _ in $(seq 1200); do
     [ "$(grep -c '^rollout-svc serve' "$CALLS")" -ge "$GPUS_PER_NODE" ] && exit 0
     sleep 0.1
 done
@@ -66,7 +67,7 @@ def test_the_slurm_example_is_valid_bash():
 
 def test_the_slurm_example_starts_a_worker_per_gpu_and_a_torchrun_agent_per_trainer_node(tmp_path):
     calls_file, env = fake_install(tmp_path)
-    done = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = calls_file.read_text().splitlines()
     assert calls[0].startswith("spoolctl init /shared/grpo/spool")

@@ -26,6 +26,7 @@ from .data import Problem
 from .outputs import write_json_atomic
 from .reward_functions import Rewards
 from .rewards import Verifier
+from .rollout_types import Group, Sample
 
 CEILING_PERFECT_MIN = 0.99
 CEILING_WRONG_MAX = 0.01
@@ -130,8 +131,6 @@ def ceiling_receipt(cfg: Config, problems: list[Problem], tokenizer, verifier: V
         weights=[w for _, w in builtins],
         overlong_buffer=cfg.reward.overlong_buffer,
     )
-    from .rollout import Group, Sample  # here: rollout imports this module
-
     rewards = Rewards(judged, verifier, cfg.rollout.max_tokens)
     best_total = dict(builtins)["correct"]
     eos = [tokenizer.eos_token_id]

@@ -38,7 +38,7 @@ from .config import Config
 from .data import Problem, PromptStream
 from .model import Distributed
 from .reward_functions import GroupScores, Rewards
-from .rollout import Group, Ticket, WeightsRef
+from .rollout_types import Group, Ticket, WeightsRef
 from .spares import SpareSizer
 
 __all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "WeightsRef", "summarize"]

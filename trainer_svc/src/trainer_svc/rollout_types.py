@@ -1,0 +1,64 @@
+"""What a sampling call asks and what comes back: plain data shared by the rollout client, the
+samplers, the batch builder and the gates, with no process or spool machinery attached.
+`Ticket` is what a checkpoint keeps of a call in flight (`state_dict`, `from_state`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """The weights a request names: a directory, its content id, and the step that wrote them
+    (None for the starting model)."""
+
+    dir: str
+    content_id: str | None = None
+    step: int | None = None
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # sampling logprob of each token, as the engine drew it
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class Group:
+    """G samples of one prompt."""
+
+    prompt_ids: list[int]
+    samples: list[Sample]
+    weights_step: int = 0  # the published weights step the samples came from (0: the starting model)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One sampling call, sent and not yet collected: what it asks, of which weights, and the
+    spool requests that carry it (empty for samplers that do not use the spool). Plain data, so
+    a checkpoint can keep the calls in flight (`state_dict`, `from_state`)."""
+
+    prompts: tuple[str | list[dict], ...]  # texts, or conversations ({role, content} turns)
+    weights: WeightsRef
+    step: int  # the optimizer step whose batch it samples
+    attempt: int  # 0: the step's first sampling; k: its k-th dead-group retry
+    seed: int
+    n: int | None = None  # samples per prompt; None: rollout.samples_per_prompt
+    temperature: float | None = None  # None: rollout.temperature
+    tag: str = "train"
+    parts: tuple[int, ...] = ()  # prompts per request, in order
+    request_ids: tuple[str, ...] = ()
+
+    @property
+    def weights_step(self) -> int:
+        return self.weights.step or 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> Ticket:
+        fields = {**state, "weights": WeightsRef(**state["weights"])}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
