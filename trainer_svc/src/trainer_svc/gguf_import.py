@@ -132,7 +132,7 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16", expe
         fsync_dir(staging)
         reported = weights_content_id(str(staging))
         if reported != content_id:  # an invariant: workers report what the manifest declares
-            raise AssertionError(f"protocol.content_id reads {reported}, the manifest declares {content_id}")
+            raise AssertionError(f"protocol.weights_dir reads {reported}, the manifest declares {content_id}")
         if pin is not None:
             _check_pin(pin, expect, manifest, gguf_file, out_dir)
         move_into_place(staging, out_dir)
