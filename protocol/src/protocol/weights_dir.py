@@ -15,6 +15,7 @@ API:
     decode_manifest(data, where) -> Manifest           the same, on bytes already read
     encode_manifest(manifest, *, canonical=False) -> bytes
     weights_content_id(directory, shards=None) -> str  what a worker reports and a request may demand
+    declared_content_id(directory) -> str | None       the manifest's alone
     step_content_id(run_name, step) -> str             a new id, unique per write
     files_content_id(files) -> str                     an id that is the files' SHA-256s (imports)
     safetensors_shards(directory) -> list[str]
