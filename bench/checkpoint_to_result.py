@@ -21,6 +21,8 @@ from pathlib import Path
 
 from common import build_models, parameter_count, report, start_worker, stop, wait_until
 
+from protocol.weights_dir import step_dir_name
+
 
 def write_checkpoint(base: Path, out: Path, step: int) -> None:
     import torch
@@ -71,7 +73,7 @@ def main() -> None:
             client.submit(warm)
             client.wait([warm.request_id], timeout_s=600)
             for step in range(1, args.checkpoints + 1):
-                checkpoint = root / "checkpoints" / f"step_{step:08d}"
+                checkpoint = root / "checkpoints" / step_dir_name(step)
                 checkpoint.parent.mkdir(exist_ok=True)
                 write_checkpoint(base, checkpoint, step)
                 appeared = time.perf_counter()

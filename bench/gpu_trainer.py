@@ -22,6 +22,8 @@ from pathlib import Path
 
 import msgspec
 
+from protocol.weights_dir import step_dir_name
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "trainer"))
 
@@ -86,7 +88,7 @@ def main() -> None:
     if run.returncode:
         print(run.stdout[-4000:], run.stderr[-4000:])
         raise SystemExit(run.returncode)
-    final = f"step_{args.steps:08d}"
+    final = step_dir_name(args.steps)
     a = load_file(root / "one-gpu" / "checkpoints" / final / "model.safetensors")
     b = load_file(root / "two-gpus" / "checkpoints" / final / "model.safetensors")
     m1, m2 = metrics(root / "one-gpu"), metrics(root / "two-gpus")

@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
 
+from protocol.weights_dir import step_dir_name  # noqa: E402
+
 TARGET_S = 1.5
 
 
@@ -124,7 +126,7 @@ def main() -> None:
                     started = time.monotonic()
                     engine.ensure_weights(str(record.path), record.content_id)
                     reloads[count].append(time.monotonic() - started)
-                    shutil.rmtree(publish_dir / f"step_{published - 1:08d}", ignore_errors=True)
+                    shutil.rmtree(publish_dir / step_dir_name(published - 1), ignore_errors=True)
                     say(
                         f"{medium} step {step}, {writer_threads()} writer threads, "
                         f"{len(list(record.path.glob('*.safetensors')))} shards: "

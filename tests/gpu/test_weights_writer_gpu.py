@@ -21,13 +21,13 @@ for path in (TESTS, TESTS.parent / "trainer_svc" / "src"):
         sys.path.append(str(path))  # hf_weights, shared with the trainer tier; trainer_svc where not installed
 
 from hf_weights import assert_bit_equal, build_llama, load_model, read_all  # noqa: E402
+from manifest_check import verify  # noqa: E402
 
 from trainer_svc.model import Distributed  # noqa: E402
 from trainer_svc.weights_writer import (  # noqa: E402
     TensorSpec,
     TensorStream,
     iter_full_tensors,
-    verify,
     write_weights_dir,
 )
 
@@ -53,7 +53,7 @@ def test_cuda_tensors_stream_through_pinned_buffers(tmp_path, chunk_bytes):
         content_id="c",
         chunk_bytes=chunk_bytes,
     )
-    assert verify(out, checksums=True)["dtype"] == "bfloat16"
+    assert verify(out, checksums=True).dtype == "bfloat16"
     assert filecmp.cmp(out / "model.safetensors", tmp_path / "hf" / "model.safetensors", shallow=False)
 
     big = {"a.weight": torch.randn(3_000_001, device="cuda"), "b.weight": torch.randn(17, 5, device="cuda")}

@@ -17,8 +17,8 @@ from conftest import ROOT, make_config
 from typer.testing import CliRunner
 
 from protocol import exit_codes
-from protocol.content_id import weights_content_id
 from protocol.messages import WorkerStatus
+from protocol.weights_dir import weights_content_id
 from trainer_svc import gates
 from trainer_svc.cli import app
 from trainer_svc.data import Problem, arithmetic_problems

@@ -17,10 +17,12 @@ import torch
 from typer.testing import CliRunner
 
 from protocol import exit_codes
-from protocol.content_id import weights_content_id
+from protocol.weights_dir import FileEntry, files_content_id, weights_content_id
 from trainer_svc.cli import app
-from trainer_svc.gguf_import import ImportMismatch, content_id_of, import_gguf, write_pin
-from trainer_svc.weights_writer import verify
+from trainer_svc.gguf_import import ImportMismatch, import_gguf, write_pin
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # manifest_check, shared with the other tiers
+from manifest_check import verify  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -193,12 +195,12 @@ def test_the_generation_config_ends_a_reply_at_the_templates_end_of_turn_then_at
 
 def test_the_manifest_holds_the_content_id_workers_report_and_every_files_checksums(imported):
     manifest = verify(imported.path, checksums=True)  # sizes and crc32c, as published weights are checked
-    assert weights_content_id(str(imported.path)) == manifest["content_id"] == imported.content_id
+    assert weights_content_id(str(imported.path)) == manifest.content_id == imported.content_id
     files = sorted(p.name for p in imported.path.iterdir() if p.name != "manifest.json")
-    assert sorted(manifest["files"]) == files
+    assert sorted(manifest.files) == files
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= set(files)
-    recomputed = {name: {"sha256": _sha256(imported.path / name)} for name in files}
-    assert content_id_of(recomputed) == imported.content_id
+    recomputed = {name: FileEntry(size=0, sha256=_sha256(imported.path / name)) for name in files}
+    assert files_content_id(recomputed) == imported.content_id
 
 
 def test_two_imports_give_the_same_bytes(imported, tiny_gguf, tmp_path):

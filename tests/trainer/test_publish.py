@@ -19,7 +19,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from protocol.content_id import weights_content_id  # noqa: E402
+from protocol.weights_dir import weights_content_id  # noqa: E402
 from trainer_svc.model import Distributed  # noqa: E402
 from trainer_svc.publish import (  # noqa: E402
     discard_newer_than,
@@ -29,7 +29,10 @@ from trainer_svc.publish import (  # noqa: E402
     publish,
     published_dir,
 )
-from trainer_svc.weights_writer import iter_full_tensors, verify  # noqa: E402
+from trainer_svc.weights_writer import iter_full_tensors  # noqa: E402
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # manifest_check, shared with the other tiers
+from manifest_check import verify  # noqa: E402
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -65,9 +68,9 @@ def test_publish_writes_a_step_directory_a_worker_recognises(base, tmp_path):
     # the worker's content id is the manifest's
     assert weights_content_id(str(record.path)) == record.content_id
     manifest = verify(record.path, checksums=True)
-    assert manifest["step"] == 12 and record.bytes == manifest["bytes"] > 0
+    assert manifest.step == 12 and record.bytes == manifest.bytes > 0
     assert latest_published(publish_dir) == record.__class__(
-        record.path, 12, record.content_id, record.bytes, manifest["write_seconds"]
+        record.path, 12, record.content_id, record.bytes, manifest.write_seconds
     )
     from safetensors.torch import load_file
 

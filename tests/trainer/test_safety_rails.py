@@ -15,7 +15,7 @@ from conftest import make_config
 from local_sampler import TorchSampler
 
 from protocol import exit_codes
-from protocol.content_id import weights_content_id
+from protocol.weights_dir import weights_content_id
 from trainer_svc import checkpoint as ckpt
 from trainer_svc.band import run_band
 from trainer_svc.data import load_problems

@@ -29,16 +29,15 @@ if str(TESTS) not in sys.path:
 torch.set_num_threads(1)
 
 from hf_weights import assert_bit_equal, build_llama, load_model, read_all  # noqa: E402
+from manifest_check import WeightsCorrupt, verify  # noqa: E402
 
+from protocol.weights_dir import MANIFEST, FileEntry  # noqa: E402
 from trainer_svc.model import Distributed  # noqa: E402
 from trainer_svc.weights_writer import (  # noqa: E402
-    MANIFEST,
     TensorSpec,
     TensorStream,
-    WeightsCorrupt,
     iter_full_tensors,
     omitted_names,
-    verify,
     write_weights_dir,
 )
 
@@ -63,12 +62,12 @@ def test_single_file_is_save_pretrained_byte_for_byte(tiny_model, tmp_path):
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (tiny_model / name).read_bytes(), name
     manifest = verify(out, checksums=True)
-    assert (manifest["step"], manifest["content_id"], manifest["dtype"]) == (7, "run-step_7-ab", "float32")
-    assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {MANIFEST}
-    for name, entry in manifest["files"].items():
+    assert (manifest.step, manifest.content_id, manifest.dtype) == (7, "run-step_7-ab", "float32")
+    assert set(manifest.files) == {p.name for p in out.iterdir()} - {MANIFEST}
+    for name, entry in manifest.files.items():
         data = (out / name).read_bytes()
-        assert entry == {"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
-    assert written.bytes == sum(entry["size"] for entry in manifest["files"].values())
+        assert entry == FileEntry(size=len(data), crc32c=f"{crc32c.crc32c(data):08x}")
+    assert written.bytes == sum(entry.size for entry in manifest.files.values())
     assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # no staging left behind
 
 
@@ -131,7 +130,7 @@ def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkey
     # One file being filled plus one buffer per writer thread, kept for the next write.
     assert stream._writers()._max_workers == 4 and len(stream.Buffers._cache[(4096, False)]) == 5
     assert (many / "model.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
-    assert verify(many, checksums=True)["files"]["model.safetensors"] == verify(one)["files"]["model.safetensors"]
+    assert verify(many, checksums=True).files["model.safetensors"] == verify(one).files["model.safetensors"]
 
 
 def test_spread_shards_one_per_writer_thread_written_side_by_side(tiny_model, tmp_path, monkeypatch):
@@ -215,7 +214,7 @@ def test_rewrite_replaces_the_directory_in_place(tiny_model, tmp_path):
     write_weights_dir(out, state, base_model=tiny_model, step=1, content_id="first")
     doubled = {k: v * 2 for k, v in state.items()}
     write_weights_dir(out, doubled, base_model=tiny_model, step=2, content_id="second")
-    assert verify(out, checksums=True)["content_id"] == "second"
+    assert verify(out, checksums=True).content_id == "second"
     assert_bit_equal(read_all(out), doubled)
     assert os.listdir(tmp_path) == ["out"]
 
@@ -365,7 +364,7 @@ def test_sigkill_at_random_points_leaves_old_or_new_directory(tiny_model, tmp_pa
     rng = random.Random(1234)
     leftovers_seen = 0
     for kill in range(25):
-        start = verify(out)["step"] if out.exists() else 0
+        start = verify(out).step if out.exists() else 0
         child = subprocess.Popen(
             [sys.executable, __file__, "rewrite", str(out), str(tiny_model)], stdout=subprocess.PIPE, text=True
         )
@@ -379,8 +378,8 @@ def test_sigkill_at_random_points_leaves_old_or_new_directory(tiny_model, tmp_pa
         child.wait()
         last = reported[-1] if reported else start
         manifest = verify(out, checksums=True)
-        assert manifest["step"] in (last, last + 1), (kill, manifest["step"], last)
-        assert_bit_equal(read_all(out), expected_state(manifest["step"]))
+        assert manifest.step in (last, last + 1), (kill, manifest.step, last)
+        assert_bit_equal(read_all(out), expected_state(manifest.step))
         siblings = set(os.listdir(out.parent)) - {out.name}
         assert all(name.startswith(f".{out.name}.") and name.endswith(".partial") for name in siblings), siblings
         leftovers_seen += len(siblings)
@@ -448,7 +447,7 @@ def _child_fsize(out: str, base: str, limit: str) -> int:
 
 def _child_rewrite(out: str, base: str) -> int:
     dest = Path(out)
-    step = verify(dest)["step"] if dest.exists() else 0
+    step = verify(dest).step if dest.exists() else 0
     print("ready", flush=True)
     while True:
         step += 1

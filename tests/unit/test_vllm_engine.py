@@ -153,7 +153,7 @@ def test_a_directory_replaced_while_it_loads_is_loaded_again_and_named_by_its_ne
     a change means loading again, so the id it reports is the one its weights came from."""
     import shutil
 
-    from protocol.content_id import weights_content_id
+    from protocol.weights_dir import weights_content_id
 
     served = models["root"] / "served"
     shutil.copytree(models["b"], served)

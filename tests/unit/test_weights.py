@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import rollout_svc
-from protocol.content_id import weights_content_id as content_id
 from protocol.messages import ErrorCode
+from protocol.weights_dir import weights_content_id as content_id
 from rollout_svc.errors import RequestFailed
 from rollout_svc.weights import WeightsPolicy, check_tokenizer_fits
 

@@ -6,6 +6,8 @@
 - watch: file events as hints that wake a scanner;
 - client: submit and wait with deadlines;
 - evaluation, jsonl: eval jobs through the spool, and the JSONL reading they share with the trainer;
+- weights_dir: the weights-directory contract (step names, the manifest, content ids) that the
+  trainer writes and workers read; weight_delta: sparse deltas between two publishes (numpy);
 - cli: `spoolctl`, the operator's view of a spool.
 """
 

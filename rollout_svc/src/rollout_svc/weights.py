@@ -4,7 +4,7 @@ A weights directory is an HF-format model: config.json, one or more .safetensors
 model.safetensors.index.json when sharded) and tokenizer files. Only safetensors are loaded:
 pickle-based formats (.bin, .pt) are refused, never opened.
 
-Content ids are protocol.content_id's: the manifest's, or a hash of the files' stat data.
+Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data.
 Every refusal is a RequestFailed whose message starts with the request's `weights_dir`.
 """
 
@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.content_id import weights_content_id
 from protocol.messages import ErrorCode
+from protocol.weights_dir import weights_content_id
 
 from .errors import RequestFailed
 

@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from protocol.content_id import weights_content_id
 from protocol.fsio import replace_atomic
+from protocol.weights_dir import weights_content_id
 
 from .config import Config
 from .data import DataError, load_problems

@@ -5,7 +5,7 @@ sync is separate: weight_sync publishes the weights alone, every step.)
     run_dir/checkpoints/step_00000012/
         config.json, generation_config.json, tokenizer files   copied from the base model
         model.safetensors (or shards + index)                 the policy's weights
-        manifest.json                                         step, content id, base model
+        manifest.json                                         step, content id, base model (protocol.weights_dir)
         PINNED                                                when the tripwire fired: never pruned
         rollout_weights/                                      between two publishes: a copy of the
                                                               published weights the requests name
@@ -32,7 +32,6 @@ import errno
 import json
 import logging
 import os
-import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,16 @@ import torch
 from safetensors import SafetensorError
 
 from protocol.fsio import fsync_tree
+from protocol.weights_dir import (
+    MANIFEST,
+    STEP_PREFIX,
+    Manifest,
+    encode_manifest,
+    read_manifest,
+    step_content_id,
+    step_dir_name,
+    step_of,
+)
 
 from .atomic_dir import move_into_place
 from .model import Distributed
@@ -49,7 +58,6 @@ from .weights_writer import COPIED_FILES
 
 log = logging.getLogger(__name__)
 
-STEP_PREFIX = "step_"
 STATE_DIR = "trainer_state"
 ROLLOUT_WEIGHTS = "rollout_weights"  # the published weights the requests name, when not the checkpoint's own
 PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
@@ -81,7 +89,7 @@ class RunState:
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
+    return run_dir / "checkpoints" / step_dir_name(step)
 
 
 def latest(run_dir: Path) -> Checkpoint | None:
@@ -89,11 +97,16 @@ def latest(run_dir: Path) -> Checkpoint | None:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return None
-    steps = sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / "manifest.json").exists())
+    steps = sorted(
+        (p for p in root.iterdir() if step_of(p.name) is not None and (p / MANIFEST).exists()),
+        key=lambda p: step_of(p.name),
+    )
     if not steps:
         return None
-    manifest = json.loads((steps[-1] / "manifest.json").read_text())
-    return Checkpoint(steps[-1], manifest["step"], manifest["content_id"])
+    manifest = read_manifest(steps[-1])
+    if manifest.step is None:
+        raise ValueError(f"{steps[-1] / MANIFEST} names no step, as a checkpoint's always does: remove {steps[-1]}")
+    return Checkpoint(steps[-1], manifest.step, manifest.content_id)
 
 
 def full_state_dict(model, dist_info: Distributed) -> dict[str, torch.Tensor] | None:
@@ -149,7 +162,7 @@ def save(
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = final.with_name(f".{final.name}.{os.getpid()}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    content_id = f"{run_dir.name}-{STEP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
+    content_id = step_content_id(run_dir.name, step)
     try:
         _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
         for name in COPIED_FILES:
@@ -160,8 +173,8 @@ def save(
         torch.save(optimizer_state, state_dir / "optimizer.pt")
         _save_rng(state_dir / "rng.safetensors")
         (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
-        manifest = {"step": step, "content_id": content_id, "base_model": str(base_model), "created_at": time.time()}
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        manifest = Manifest(step=step, content_id=content_id, base_model=str(base_model), created_at=time.time())
+        (staging / MANIFEST).write_bytes(encode_manifest(manifest))
         if rollout_weights is not None:
             link_or_copy_tree(rollout_weights, staging / ROLLOUT_WEIGHTS)
         if pin_reason is not None:
@@ -244,7 +257,7 @@ def load_trainer_state(checkpoint: Checkpoint) -> dict:
 def prune(run_dir: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints, never a pinned one."""
     root = run_dir / "checkpoints"
-    steps = sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX))
+    steps = sorted((p for p in root.iterdir() if step_of(p.name) is not None), key=lambda p: step_of(p.name))
     removed = []
     for path in steps[: max(0, len(steps) - keep_last)]:
         if not (path / PINNED_FILE).exists():

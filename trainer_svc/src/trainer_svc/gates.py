@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from protocol import answers, exit_codes
-from protocol.content_id import weights_content_id
+from protocol.weights_dir import weights_content_id
 
 from .config import BUILTIN_REWARDS, Config, RewardConfig
 from .data import Problem

@@ -14,6 +14,7 @@
                                  chat template included (chat_template.jinja)
         manifest.json            content_id, each file's size, crc32c and sha256, the source file
                                  and the library versions that made it; written last
+                                 (protocol.weights_dir's Manifest, canonical JSON)
 
 transformers reads the file (`from_pretrained(..., gguf_file=...)`, which needs the `gguf` and
 `accelerate` packages: `pip install 'trainer_svc[gguf]'`); so every architecture and quantization
@@ -25,8 +26,9 @@ Guarantees:
   gives the same bytes in every file (JSON with sorted keys and no timestamps or versions, tensors
   in safetensors' order by name, no creation times).
 - The content id is `sha256-` and 16 hex digits of a SHA-256 over the other files' names and
-  SHA-256s. It is the manifest's `content_id`, which protocol.content_id reads: what a worker
-  serving the directory reports, and what a request may demand.
+  SHA-256s (protocol.weights_dir.files_content_id). It is the manifest's `content_id`, which
+  protocol.weights_dir reads: what a worker serving the directory reports, and what a request may
+  demand.
 - Atomic (atomic_dir): written in a hidden sibling and renamed into place, replacing any previous
   OUT_DIR whole. With a pin (`expect`), the new directory is put in place only when its content
   id equals the pin's; otherwise nothing changes and ImportMismatch names the files that differ,
@@ -43,12 +45,20 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.content_id import weights_content_id
 from protocol.fsio import fsync_dir, write_synced
+from protocol.weights_dir import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    Source,
+    encode_manifest,
+    files_content_id,
+    read_manifest,
+    weights_content_id,
+)
 
 from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
 
-MANIFEST = "manifest.json"
 WEIGHTS_FILE = "model.safetensors"
 DTYPES = ("bfloat16", "float16", "float32")
 # The library versions recorded in the manifest and compared with a pin's: the bytes written
@@ -108,37 +118,28 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16", expe
             write_synced(staging / name, data)
         tokenizer.save_pretrained(staging)
         files = {name: _file_entry(staging / name) for name in sorted(os.listdir(staging))}
-        content_id = content_id_of(files)
-        manifest = {
-            "content_id": content_id,
-            "dtype": dtype,
-            "bytes": sum(entry["size"] for entry in files.values()),
-            "checksum": "crc32c",  # weights_writer.verify reads the crc32c entries
-            "files": files,
-            "source": {"file": gguf_file.name, "sha256": source_sha256},
-            "made_with": versions,
-        }
-        write_synced(staging / MANIFEST, _json_bytes(manifest))
+        content_id = files_content_id(files)
+        manifest = Manifest(
+            content_id=content_id,
+            dtype=dtype,
+            bytes=sum(entry.size for entry in files.values()),
+            checksum="crc32c",
+            files=files,
+            source=Source(file=gguf_file.name, sha256=source_sha256),
+            made_with=versions,
+        )
+        write_synced(staging / MANIFEST, encode_manifest(manifest, canonical=True))
         fsync_dir(staging)
         reported = weights_content_id(str(staging))
         if reported != content_id:  # an invariant: workers report what the manifest declares
-            raise AssertionError(f"protocol.content_id reads {reported}, the manifest declares {content_id}")
+            raise AssertionError(f"protocol.weights_dir reads {reported}, the manifest declares {content_id}")
         if pin is not None:
             _check_pin(pin, expect, manifest, gguf_file, out_dir)
         move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Imported(out_dir, content_id, parameters, manifest["bytes"], end_of_turn)
-
-
-def content_id_of(files: dict[str, dict]) -> str:
-    """The id of a directory's files ({name: {"sha256": ...}}), manifest excluded."""
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        if name != MANIFEST:
-            digest.update(f"{name}\0{files[name]['sha256']}\n".encode())
-    return "sha256-" + digest.hexdigest()[:16]
+    return Imported(out_dir, content_id, parameters, manifest.bytes, end_of_turn)
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:
@@ -232,7 +233,7 @@ def _json_bytes(value) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _file_entry(path: Path) -> dict:
+def _file_entry(path: Path) -> FileEntry:
     import crc32c
 
     sha, crc, size = hashlib.sha256(), 0, 0
@@ -241,7 +242,7 @@ def _file_entry(path: Path) -> dict:
             sha.update(chunk)
             crc = crc32c.crc32c(chunk, crc)
             size += len(chunk)
-    return {"size": size, "crc32c": f"{crc:08x}", "sha256": sha.hexdigest()}
+    return FileEntry(size=size, crc32c=f"{crc:08x}", sha256=sha.hexdigest())
 
 
 def _sha256_file(path: Path) -> str:
@@ -276,20 +277,18 @@ def _read_pin(path: Path) -> dict:
     return pin
 
 
-def _check_pin(pin: dict, pin_path: Path, manifest: dict, gguf_file: Path, out_dir: Path) -> None:
-    if manifest["content_id"] == pin["content_id"]:
+def _check_pin(pin: dict, pin_path: Path, manifest: Manifest, gguf_file: Path, out_dir: Path) -> None:
+    if manifest.content_id == pin["content_id"]:
         return
-    lines = [
-        f"{out_dir}: the import of {gguf_file} is {manifest['content_id']}, pinned {pin['content_id']} in {pin_path}"
-    ]
+    lines = [f"{out_dir}: the import of {gguf_file} is {manifest.content_id}, pinned {pin['content_id']} in {pin_path}"]
     pinned_source = pin.get("source", {}).get("sha256")
-    if pinned_source and pinned_source != manifest["source"]["sha256"]:
-        lines.append(f"  the GGUF file differs: sha256 {manifest['source']['sha256']}, pinned {pinned_source}")
-    built = {name: entry["sha256"] for name, entry in manifest["files"].items()}
+    if pinned_source and pinned_source != manifest.source.sha256:
+        lines.append(f"  the GGUF file differs: sha256 {manifest.source.sha256}, pinned {pinned_source}")
+    built = {name: entry.sha256 for name, entry in manifest.files.items()}
     for name in sorted(set(built) | set(pin["files"])):
         if built.get(name) != pin["files"].get(name):
             lines.append(f"  {name}: sha256 {built.get(name, 'absent')}, pinned {pin['files'].get(name, 'absent')}")
-    for name, version in manifest["made_with"].items():
+    for name, version in manifest.made_with.items():
         pinned = pin.get("made_with", {}).get(name)
         if pinned and pinned != version:
             lines.append(f"  made with {name} {version}, the pin with {pinned}")
@@ -300,13 +299,15 @@ def _check_pin(pin: dict, pin_path: Path, manifest: dict, gguf_file: Path, out_d
     raise ImportMismatch("\n".join(lines))
 
 
-def pin_of(manifest: dict) -> dict:
+def pin_of(manifest: Manifest) -> dict:
     """What a pin file holds: the content id, each file's sha256, the source and the versions."""
+    if manifest.files is None or manifest.source is None or manifest.made_with is None:
+        raise ValueError(f"the manifest of {manifest.content_id} lacks files, source or made_with: not an import's")
     return {
-        "content_id": manifest["content_id"],
-        "files": {name: entry["sha256"] for name, entry in manifest["files"].items()},
-        "source": manifest["source"],
-        "made_with": manifest["made_with"],
+        "content_id": manifest.content_id,
+        "files": {name: entry.sha256 for name, entry in manifest.files.items()},
+        "source": {"file": manifest.source.file, "sha256": manifest.source.sha256},
+        "made_with": manifest.made_with,
     }
 
 
@@ -314,5 +315,4 @@ def write_pin(out_dir: Path, pin_path: Path) -> None:
     """Pin the directory `out_dir` holds now (its manifest) in `pin_path`."""
     from protocol.fsio import replace_atomic
 
-    manifest = json.loads((Path(out_dir) / MANIFEST).read_bytes())
-    replace_atomic(Path(pin_path), _json_bytes(pin_of(manifest)))
+    replace_atomic(Path(pin_path), _json_bytes(pin_of(read_manifest(out_dir))))

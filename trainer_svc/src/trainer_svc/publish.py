@@ -17,9 +17,10 @@ Guarantees:
 - A `step_NNNNNNNN` directory is complete whenever it exists: it is written in a hidden sibling
   and renamed into place (see weights_writer). Hidden `.step_*.partial` entries are a crashed
   writer's leftovers; publish and prune remove those whose process is gone.
-- Content ids follow the checkpoints' convention: `<run>-step_NNNNNNNN-<8 hex>`, unique per
-  write, in the manifest's `content_id`, which protocol.content_id reads, so a worker tells two
-  publications of one path apart and a request may demand one (`weights_content_id`).
+- The directory follows protocol.weights_dir (its names, manifest and content ids). Content ids
+  follow the checkpoints' convention: `<run>-step_NNNNNNNN-<8 hex>`, unique per write
+  (weights_dir.step_content_id), so a worker tells two publications of one path apart and a
+  request may demand one (`weights_content_id`).
 - Directories are removed by renaming them to a hidden `.partial` name first, then deleting: a
   reader never sees a half-deleted step directory under its own name.
 - prune_published never removes one of the newest `keep_last`, nor a directory that a request
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -60,18 +60,24 @@ from pathlib import Path
 import torch
 
 from protocol.fsio import fsync_dir, fsync_tree, read_regular_file
+from protocol.weights_dir import (
+    STEP_PREFIX,
+    ManifestError,
+    read_manifest,
+    step_content_id,
+    step_dir_name,
+    step_of,
+)
 
 from .atomic_dir import move_into_place, staging_dir
 from .model import Distributed
 from .weights_writer import (
-    MANIFEST,
     PARTIAL_SUFFIX,
     TensorStream,
     remove_stale_partials,
     write_weights_dir,
 )
 
-STEP_PREFIX = "step_"
 _SPOOL_STATES = ("requests", "claimed")  # where a request is pending or being served
 _MAX_REQUEST_BYTES = 64 * 2**20  # a worker refuses larger request files
 _SCAN_ROUNDS = 5
@@ -87,7 +93,7 @@ class Published:
 
 
 def published_dir(publish_dir: Path, step: int) -> Path:
-    return Path(publish_dir) / f"{STEP_PREFIX}{step:08d}"
+    return Path(publish_dir) / step_dir_name(step)
 
 
 def publish(
@@ -118,7 +124,7 @@ def publish(
         publish_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(publish_dir, STEP_PREFIX)
     prefix = run_name or publish_dir.absolute().parent.name
-    content_id = f"{prefix}-{STEP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
+    content_id = step_content_id(prefix, step)
     written = write_weights_dir(
         published_dir(publish_dir, step),
         tensors,
@@ -141,18 +147,14 @@ def list_published(publish_dir: Path) -> list[Published]:
     found = []
     for path in _step_dirs(publish_dir):
         try:
-            manifest = json.loads((path / MANIFEST).read_bytes())
-            found.append(
-                Published(
-                    path,
-                    int(manifest["step"]),
-                    str(manifest["content_id"]),
-                    int(manifest.get("bytes", 0)),
-                    float(manifest.get("write_seconds", 0.0)),
-                )
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            manifest = read_manifest(path)
+        except (OSError, ManifestError):
             continue  # not written by publish: left alone, never reported
+        if manifest.step is None:
+            continue  # an import's manifest, not a publish's
+        found.append(
+            Published(path, manifest.step, manifest.content_id, manifest.bytes or 0, manifest.write_seconds or 0.0)
+        )
     return sorted(found, key=lambda p: p.step)
 
 
@@ -163,7 +165,7 @@ def latest_published(publish_dir: Path) -> Published | None:
 
 def discard_newer_than(publish_dir: Path, step: int) -> list[Path]:
     """Remove every step directory after `step` (complete or not); returns them."""
-    doomed = [path for path in _step_dirs(publish_dir) if _step_of(path) > step]
+    doomed = [path for path in _step_dirs(publish_dir) if step_of(path.name) > step]
     _remove(doomed)
     return doomed
 
@@ -171,8 +173,10 @@ def discard_newer_than(publish_dir: Path, step: int) -> list[Path]:
 def restore_published(copy: Path, publish_dir: Path) -> Published:
     """Put `copy` (a complete step directory, manifest included) back in publish_dir under its
     step, atomically; returns it as found there."""
-    manifest = json.loads((Path(copy) / MANIFEST).read_bytes())
-    dest = published_dir(publish_dir, int(manifest["step"]))
+    manifest = read_manifest(copy)
+    if manifest.step is None:
+        raise ManifestError(f"{copy}: its manifest names no step; only a published step directory can be restored")
+    dest = published_dir(publish_dir, manifest.step)
     Path(publish_dir).mkdir(parents=True, exist_ok=True)
     staging = staging_dir(dest)
     try:
@@ -230,12 +234,7 @@ def _step_dirs(publish_dir: Path) -> list[Path]:
         entries = list(Path(publish_dir).iterdir())
     except FileNotFoundError:
         return []
-    return sorted(p for p in entries if _step_of(p) is not None and p.is_dir())
-
-
-def _step_of(path: Path) -> int | None:
-    digits = path.name[len(STEP_PREFIX) :]
-    return int(digits) if path.name.startswith(STEP_PREFIX) and digits.isdigit() else None
+    return sorted((p for p in entries if step_of(p.name) is not None and p.is_dir()), key=lambda p: step_of(p.name))
 
 
 def _remove(paths: list[Path]) -> None:

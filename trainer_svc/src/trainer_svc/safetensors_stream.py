@@ -1,11 +1,10 @@
 """Safetensors files written as a stream: tensors go from their device to the file in chunks.
 
     header(tensors, dtype) -> bytes                 a file's header, for (name, shape) in file order
-    ShardFile(path, pool, checksums)                .write(bytes), .append(name, tensor, dtype), .finish()
+    ShardFile(path, pool, checksums)                .write(bytes), .append(name, tensor, dtype), .finish() -> FileEntry
     Buffers(chunk_bytes, pinned, count)             the staging buffers, kept for the process's life
     BufferPool(buffers)                             one write's buffers, shared by the files it writes
-    write_small(path, data) -> {"size", "crc32c"}   a whole small file, synced
-    file_checksum(path, chunk_bytes, algorithm)     a file's crc32c (or crc32), read back
+    write_small(path, data) -> FileEntry            a whole small file, synced; its size and crc32c
     write_error(exc, path, what) -> OSError         a failed write, named
 
 Guarantees:
@@ -41,7 +40,6 @@ import functools
 import json
 import math
 import os
-import zlib
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -50,6 +48,7 @@ import crc32c
 import torch
 
 from protocol.fsio import FILE_MODE, write_synced
+from protocol.weights_dir import FileEntry
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -60,9 +59,6 @@ SAFETENSORS_DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _FULL_DISK = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-# Checksums a manifest may name: crc32c (hardware-accelerated, ~15 GB/s on one core) is what the
-# writer computes; zlib's crc32 (~3 GB/s) is what older manifests carry, still verified.
-CHECKSUMS = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
 
 
 def header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
@@ -82,22 +78,13 @@ def header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -
     return len(text).to_bytes(8, "little") + text
 
 
-def write_small(path: Path, data: bytes) -> dict:
+def write_small(path: Path, data: bytes) -> FileEntry:
     """Write a whole file and fsync it; its manifest entry: size and crc32c."""
     try:
         write_synced(path, data)
     except OSError as exc:
         raise write_error(exc, path, "the file") from exc
-    return {"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
-
-
-def file_checksum(path: Path, chunk_bytes: int, algorithm: str = "crc32c") -> int:
-    """A file's checksum (one of CHECKSUMS), read back."""
-    update, value = CHECKSUMS[algorithm], 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(chunk_bytes):
-            value = update(chunk, value)
-    return value
+    return FileEntry(size=len(data), crc32c=f"{crc32c.crc32c(data):08x}")
 
 
 def write_error(exc: OSError, path: Path, what: str) -> OSError:
@@ -283,7 +270,7 @@ class ShardFile:
             jobs.append(self._crc_done)
         return jobs
 
-    def finish(self) -> dict:
+    def finish(self) -> FileEntry:
         self._flush_staged()
         for future in self._jobs:
             self.pool.result(future)
@@ -292,7 +279,7 @@ class ShardFile:
             os.fsync(self.fd)
         except OSError as exc:
             raise write_error(exc, self.path, "the end of the file") from exc
-        return {"size": self.size, "crc32c": f"{self.crc:08x}" if self.checksums else None}
+        return FileEntry(size=self.size, crc32c=f"{self.crc:08x}" if self.checksums else None)
 
     def close(self) -> None:
         for future in self._jobs:

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from protocol.weights_dir import MANIFEST
+
 from . import publish as published
 from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .model import Distributed
 from .sampling import WeightsRef
-from .weights_writer import MANIFEST, iter_full_tensors, serving_dtype
+from .weights_writer import iter_full_tensors, serving_dtype
 
 log = logging.getLogger(__name__)
 

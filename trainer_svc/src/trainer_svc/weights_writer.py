@@ -6,6 +6,7 @@
         model-00001-of-0000N.safetensors + model.safetensors.index.json   shards of max_shard_bytes
                                                                (None: one per writer thread)
         manifest.json                                          written last: step, content id, files
+                                                               (protocol.weights_dir's Manifest)
 
 API:
 
@@ -13,7 +14,6 @@ API:
                       max_shard_bytes=..., chunk_bytes=..., checksums=True, dist_info=None) -> Written | None
     iter_full_tensors(model, dist_info) -> TensorStream     every rank; under FSDP2 gathers one tensor at a time
     omitted_names(model) -> set[str]                        what save_pretrained leaves out (tied duplicates)
-    verify(path, *, checksums=False) -> dict                the manifest, or WeightsCorrupt
     serving_dtype(device) -> torch.dtype                    bfloat16 on GPU, None (the tensors' own) elsewhere
 
 `tensors` is a mapping name -> tensor, (name, tensor) pairs (collected first), or a TensorStream
@@ -32,9 +32,9 @@ Guarantees:
   one, even if the writer is SIGKILLed at any point (tested). The next write of `dest` clears
   what dead writers left.
 - Durable: one fsync per file, one for the new directory, one for the parent.
-- The manifest (`manifest.json`) is the last file written: step, content_id, dtype, bytes, and for
-  each other file its size and crc32c (computed on the chunks as they are written, no extra read).
-  `verify` checks the sizes (cheap), and with checksums=True reads everything back.
+- The manifest (`manifest.json`, protocol.weights_dir.Manifest) is the last file written: step,
+  content_id, dtype, bytes, and for each other file its size and crc32c (computed on the chunks as
+  they are written, no extra read).
 - Streaming (safetensors_stream): tensors go from their device to the file in chunks of
   chunk_bytes (CUDA tensors cast on the device, through pinned host buffers, written by several
   threads at their offsets); the crc32c and the kernel's writeback overlap the writes, so the
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -70,23 +69,21 @@ from pathlib import Path
 import torch
 
 from protocol.fsio import fsync_dir
+from protocol.weights_dir import MANIFEST, FileEntry, Manifest, encode_manifest
 
 from .atomic_dir import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: publish names partials with it
 from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
 from .model import Distributed
 from .safetensors_stream import (
-    CHECKSUMS,
     SAFETENSORS_DTYPES,
     BufferPool,
     Buffers,
     ShardFile,
-    file_checksum,
     header,
     write_small,
     writer_threads,
 )
 
-MANIFEST = "manifest.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Config and tokenizer files a serving engine reads beside the weights, copied byte for byte so a
@@ -107,10 +104,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the shard size most published checkpoints
 # max_shard_bytes=None: a model is spread over one shard per writer thread, so its files are
 # written side by side; models under this size stay in one file.
 MIN_SPREAD_SHARD_BYTES = 256 * 2**20
-
-
-class WeightsCorrupt(ValueError):
-    """A weights directory whose manifest, files, sizes or checksums do not agree."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +151,7 @@ class Written:
     content_id: str
     bytes: int  # every file but the manifest
     seconds: float  # from the call to the rename into place, on rank 0
-    files: dict  # name -> {"size", "crc32c"}, as in the manifest
+    files: dict[str, FileEntry]  # as in the manifest
 
 
 def serving_dtype(device: torch.device | str) -> torch.dtype | None:
@@ -350,42 +343,6 @@ def write_weights_dir(
     return written
 
 
-def verify(path: Path, *, checksums: bool = False) -> dict:
-    """Check a weights directory against its manifest; returns the manifest.
-
-    Every listed file must exist with its recorded size, and every safetensors file present must be
-    listed; with checksums=True each file is read back and its checksum compared (files written with
-    checksums=False have none: their size alone is checked). Raises WeightsCorrupt."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-        files = manifest["files"]
-        if not isinstance(files, dict):
-            raise TypeError("files is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise WeightsCorrupt(
-            f"{path}: no readable {MANIFEST} ({exc}); the directory is incomplete: write it again"
-        ) from exc
-    unlisted = sorted(p.name for p in path.glob("*.safetensors") if p.name not in files)
-    if unlisted:
-        raise WeightsCorrupt(f"{path}: {', '.join(unlisted)} not in {MANIFEST}; remove them or write it again")
-    for name, entry in files.items():
-        try:
-            size = os.stat(path / name).st_size
-        except OSError as exc:
-            raise WeightsCorrupt(
-                f"{path}: {name} is listed in {MANIFEST} but unreadable ({exc}); write it again"
-            ) from exc
-        if size != entry["size"]:
-            raise WeightsCorrupt(f"{path}: {name} has {size} bytes, the manifest says {entry['size']}; write it again")
-        algorithm = manifest.get("checksum")
-        recorded = entry.get(algorithm) if algorithm in CHECKSUMS else None
-        if checksums and recorded is not None:
-            if file_checksum(path / name, DEFAULT_CHUNK_BYTES, algorithm) != int(recorded, 16):
-                raise WeightsCorrupt(f"{path}: {name} does not match its {algorithm} in {MANIFEST}; write it again")
-    return manifest
-
-
 # --- internals -------------------------------------------------------------------------------
 
 
@@ -471,7 +428,7 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
     staging = staging_dir(dest)
     staging.mkdir()
     try:
-        files: dict[str, dict] = {}
+        files: dict[str, FileEntry] = {}
         names = _shard_names(len(shards))
         weight_map = {spec.name: name for shard, name in zip(shards, names, strict=True) for spec in shard}
         pinned = any(spec.device.type == "cuda" for shard in shards for spec in shard)
@@ -495,25 +452,24 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
             total = sum(spec.numel * target.itemsize for shard in shards for spec in shard)
             params = sum(spec.numel for shard in shards for spec in shard)
             index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
-            files[INDEX_FILE] = write_small(
-                staging / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-            )
+            index_bytes = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            files[INDEX_FILE] = write_small(staging / INDEX_FILE, index_bytes)
         for name in COPIED_FILES:
             if (base_model / name).is_file():
                 files[name] = write_small(staging / name, (base_model / name).read_bytes())
-        total_bytes = sum(entry["size"] for entry in files.values())
-        manifest = {
-            "step": step,
-            "content_id": content_id,
-            "base_model": str(base_model),
-            "dtype": str(target).removeprefix("torch."),
-            "bytes": total_bytes,
-            "checksum": "crc32c" if checksums else None,
-            "files": files,
-            "write_seconds": round(time.monotonic() - started, 6),
-            "created_at": time.time(),
-        }
-        write_small(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        total_bytes = sum(entry.size for entry in files.values())
+        manifest = Manifest(
+            step=step,
+            content_id=content_id,
+            base_model=str(base_model),
+            dtype=str(target).removeprefix("torch."),
+            bytes=total_bytes,
+            checksum="crc32c" if checksums else None,
+            files=files,
+            write_seconds=round(time.monotonic() - started, 6),
+            created_at=time.time(),
+        )
+        write_small(staging / MANIFEST, encode_manifest(manifest))
         fsync_dir(staging)
         move_into_place(staging, dest)
     except BaseException:

@@ -29,8 +29,8 @@ import os
 import time
 from typing import NamedTuple
 
-from protocol.content_id import weights_content_id
 from protocol.messages import ErrorCode, Request
+from protocol.weights_dir import weights_content_id
 
 from ..errors import RequestFailed
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
