@@ -1,0 +1,590 @@
+"""Ours against TRL's GRPOTrainer on one GPU, the real model, the same task and settings: seconds per
+step, generated tokens per second, held-out greedy accuracy against wall time from launch, launch
+to first step and peak GPU memory.
+
+    python bench/trl_gpu_compare.py --side ours [--config configs/smollm2-gpu.toml] [--steps 150] --json ours.json
+    python bench/trl_gpu_compare.py --side trl  [--config configs/smollm2-gpu.toml] [--steps 150] --json trl.json
+    python bench/trl_gpu_compare.py --plot ours.json trl.json --png docs/smollm2_gpu_vs_trl.png
+
+One side per command (each is one launch, timed from the command that starts it; the GPU host
+allows 10 minutes a command). On a machine without a GPU a small mode checks the script:
+`--model build/tiny-model --prompts 4 --samples 4 --tokens 4 --steps 3 --eval-every 1` (figures
+meaningless; ours runs its worker apart, TRL generates with transformers).
+
+Ours: `trainer-svc train` of --config (configs/smollm2-gpu.toml: the worker colocated on the
+trainer's GPU, `ahead = 1`, tis, spares sized from the dead rate), with only these changed: the
+run directory, train.steps, canary.every (--eval-every) and, where given, the model, batch and
+token overrides. Its canary (canary.jsonl) is the held-out greedy accuracy: the first
+canary.problems held-out rows, answered greedily through the spool from the newest weights.
+
+TRL: GRPOTrainer (TRL 1.16.0) in one process, `use_vllm=True, vllm_mode="colocate"` on a GPU
+(vLLM inside the trainer process, on vllm_gpu_memory_utilization = the config's
+rollout.colocate_gpu_memory), on the config's own settings: the same model (bf16 weights, as ours
+trains on a GPU), the same training rows (trainer_svc.data's split for run.seed: TRL never sees the
+held-out rows), chat rows rendered by the model's chat template, reward = correctness by
+protocol.answers (the config's reward: `correct` weighted 1, the format penalty weighted 0, the
+overlong penalty off), rollout.prompts_per_step x samples_per_prompt completions per optimizer step
+(one micro-batch, one update per batch), max_tokens, temperature, top_p, lr with the config's
+linear warm-up and then constant, Adam betas, weight decay, max_grad_norm, clip_low / clip_high,
+token-mean loss over the batch (TRL's "dapo"), rewards scaled by the group's std, no KL, and
+truncated importance sampling against vLLM's logprobs per token capped at loss.correction_cap
+(TRL's "token_truncate"; ours corrects samples one step old by the same weight). What differs by
+design: TRL generates each step's samples right before training on them (on-policy, one process);
+ours generates the next step's while this one trains (`ahead = 1`) in a worker process, and
+replaces groups whose samples all scored alike by spare prompts. The held-out greedy accuracy on
+TRL's side: every --eval-every steps (and before the first), the same rows rendered the same way,
+answered greedily by the training model with transformers' generate, graded by the same verifier.
+
+Timing: each side's metrics lines (ours metrics.jsonl, TRL's per-step rows) are stamped as they
+appear (every 20 ms), from the launch; held-out accuracies carry their wall-clock time. Per step:
+median seconds over the steps after --skip, generated tokens per second (the trained samples'
+tokens over the step's seconds; ours also generates spare prompts, counted apart). Peak GPU
+memory: `nvidia-smi`'s memory.used of the whole device every 250 ms (both of ours processes and
+TRL's one, vLLM's reserved share included) and, on TRL's side, torch's own peak in its process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
+LEVELS = (0.8, 0.85)
+
+
+def gpu_available() -> bool:
+    return (
+        shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi"], capture_output=True).returncode == 0
+    )
+
+
+class MemoryWatch:
+    """The device's memory.used (MiB) every 250 ms through nvidia-smi, its peak kept."""
+
+    def __init__(self) -> None:
+        self.peak_mib = 0
+        self.proc = None
+        if gpu_available():
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "250"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.peak_mib = max(self.peak_mib, int(line.strip()))
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait(10)
+        return round(self.peak_mib / 1024, 2)
+
+
+def watch(command: list[str], files: dict[str, Path], log: Path, timeout_s: float, env=None) -> dict:
+    """Run `command`; every line of each file in `files` stamped with `t` (seconds from launch) as
+    it appears. Returns {"exit": code, "launched": epoch, "rows": {name: [rows]}, "total_s": s}."""
+    launched = time.time()
+    started = time.monotonic()
+    rows: dict[str, list[dict]] = {name: [] for name in files}
+    seen = dict.fromkeys(files, 0)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        while True:
+            finished = proc.poll() is not None
+            if not finished and time.monotonic() - started > timeout_s:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                finished = True
+            now = time.monotonic() - started
+            for name, path in files.items():
+                if path.exists():
+                    text = path.read_text()
+                    complete = text[: text.rfind("\n") + 1]
+                    for line in complete[seen[name] :].splitlines():
+                        rows[name].append(json.loads(line) | {"t": round(now, 3)})
+                    seen[name] = len(complete)
+            if finished:
+                break
+            time.sleep(0.02)
+    return {"exit": proc.returncode, "launched": launched, "rows": rows, "total_s": time.monotonic() - started}
+
+
+# -- the shared settings ---------------------------------------------------------------------------
+
+
+def load_settings(args) -> dict:
+    """The config's TOML as a dict, with this run's overrides; paths made absolute."""
+    raw = tomllib.loads(Path(args.config).read_text())
+    raw["model"]["path"] = str((ROOT / (args.model or raw["model"]["path"])).resolve())
+    if raw["data"].get("path"):
+        raw["data"]["path"] = str((ROOT / raw["data"]["path"]).resolve())
+    rollout = raw.setdefault("rollout", {})
+    for key, value in (("prompts_per_step", args.prompts), ("samples_per_prompt", args.samples),
+                       ("max_tokens", args.tokens)):  # fmt: skip
+        if value:
+            rollout[key] = value
+    raw.setdefault("train", {})["steps"] = args.steps
+    raw.setdefault("canary", {})["every"] = args.eval_every
+    return raw
+
+
+def problems(raw: dict, work: Path) -> tuple[Path, Path, int]:
+    """The training rows and the canary's held-out rows as TRL reads them ({"prompt", "gold"}), from
+    trainer_svc.data's split for run.seed: the rows ours trains and is graded on."""
+    from trainer_svc.config import load
+    from trainer_svc.data import load_problems
+
+    config_path = work / "settings.toml"
+    write_toml(raw, config_path)
+    cfg = load(config_path)
+    train, held_out = load_problems(cfg.data, cfg.run.seed)
+    held_out = held_out[: cfg.canary.problems]
+    paths = (work / "train.jsonl", work / "held_out.jsonl")
+    for path, rows in zip(paths, (train, held_out), strict=True):
+        path.write_text("".join(json.dumps({"prompt": p.prompt, "gold": p.gold}) + "\n" for p in rows))
+    return paths[0], paths[1], len(held_out)
+
+
+def write_toml(raw: dict, path: Path) -> None:
+    import msgspec
+
+    path.write_bytes(msgspec.toml.encode(raw))
+
+
+# -- ours ------------------------------------------------------------------------------------------
+
+
+def trainer_command() -> list[str]:
+    for candidate in (ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc", Path(sys.executable).parent / "trainer-svc"):
+        if candidate.exists():
+            return [str(candidate)]
+    return [sys.executable, "-m", "trainer_svc.cli"]
+
+
+def run_ours(raw: dict, work: Path, args) -> dict:
+    run_dir = work / "ours-run"
+    raw["run"]["dir"] = str(run_dir)
+    gpu = gpu_available()
+    raw["rollout"]["colocate"] = gpu and raw["rollout"].get("colocate", False)
+    raw["rollout"].setdefault("rollout_venv", str(ROOT / ".venvs" / "rollout"))
+    if not gpu:  # a check of the script: the worker on the CPU, as the demo runs it
+        raw["rollout"]["worker_args"] = ["--max-model-len", "128"]
+        raw["run"]["cpu_threads"] = 1
+    config_path = work / "ours.toml"
+    write_toml(raw, config_path)
+    memory = MemoryWatch()
+    files = {"steps": run_dir / "metrics.jsonl", "evals": run_dir / "canary.jsonl"}
+    found = watch([*trainer_command(), "train", str(config_path)], files, work / "ours.log", args.timeout)
+    peak = memory.stop()
+    steps = [
+        {
+            "step": r["step"],
+            "t": r["t"],
+            "step_s": r["step_s"],
+            "reward": r["reward_first"],
+            "completion_tokens": r["response_length"]
+            * raw["rollout"]["prompts_per_step"]
+            * raw["rollout"]["samples_per_prompt"],
+            "spare_tokens": r["response_length"] * r.get("spares", 0) * raw["rollout"]["samples_per_prompt"],
+            "wait_s": r["rollout_s"],
+            "train_s": r["train_s"],
+            "publish_s": r["publish_s"],
+            "retries": r["retries"],
+        }
+        for r in found["rows"]["steps"]
+    ]
+    evals = [
+        {"step": r["step"], "accuracy": r["accuracy"], "t": round(r["time"] - found["launched"], 2)}
+        for r in found["rows"]["evals"]
+    ]
+    return {"exit": found["exit"], "total_s": found["total_s"], "steps": steps, "evals": evals, "peak_gpu_gib": peak}
+
+
+# -- TRL -------------------------------------------------------------------------------------------
+
+
+def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
+    rollout, train_cfg, loss = raw["rollout"], raw.get("train", {}), raw.get("loss", {})
+    reward = raw.get("reward", {})
+    functions = reward.get("functions", ["correct", "format", "overlong"])
+    weights = reward.get("weights", [1.0, 0.0, 1.0])
+    scoring = {f: w for f, w in zip(functions, weights, strict=True) if w}
+    if scoring != {"correct": 1.0} and not (
+        scoring.keys() == {"correct", "overlong"} and not reward.get("overlong_buffer")
+    ):
+        raise SystemExit(f"TRL's side scores correctness alone; the config's reward is {scoring}")
+    if loss.get("kl_coef", 0) or train_cfg.get("updates_per_batch", 1) != 1 or train_cfg.get("grad_accum", 1) != 1:
+        raise SystemExit("TRL's side mirrors kl_coef 0, one update per batch, one micro-batch")
+    if train_cfg.get("schedule", "constant") != "constant" or loss.get("denominator", "token") != "token":
+        raise SystemExit("TRL's side mirrors a constant schedule after the warm-up and the token-mean loss")
+    return {
+        "model": raw["model"]["path"],
+        "train": str(train),
+        "held_out": str(held_out),
+        "metrics": str(work / "trl.steps.jsonl"),
+        "evals": str(work / "trl.evals.jsonl"),
+        "out": str(work / "trl-out"),
+        "seed": raw["run"].get("seed", 0),
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "prompts_per_step": rollout["prompts_per_step"],
+        "samples_per_prompt": rollout["samples_per_prompt"],
+        "max_tokens": rollout["max_tokens"],
+        "temperature": rollout.get("temperature", 1.0),
+        "top_p": rollout.get("top_p", 1.0),
+        "max_model_len": int(rollout.get("worker_args", ["--max-model-len", "512"])[1]),
+        "gpu_memory": rollout.get("colocate_gpu_memory", 0.3),
+        "lr": train_cfg.get("lr", 1e-4),
+        "warmup_steps": train_cfg.get("warmup_steps", 0),
+        "betas": train_cfg.get("betas", [0.9, 0.99]),
+        "weight_decay": train_cfg.get("weight_decay", 0.0),
+        "max_grad_norm": train_cfg.get("max_grad_norm", 1.0),
+        "clip_low": loss.get("clip_low", 0.2),
+        "clip_high": loss.get("clip_high", 0.28),
+        "correction": loss.get("correction", "none"),
+        "correction_cap": loss.get("correction_cap", 2.0),
+        "advantage_norm": loss.get("advantage_norm", "std"),
+    }
+
+
+def trl_worker(spec: dict) -> None:
+    """TRL's GRPOTrainer on `spec` (written by the orchestrator), in the interpreter that has TRL.
+    One JSON line per step into spec["metrics"], one per held-out evaluation into spec["evals"]."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(ROOT / "protocol" / "src"))
+    from protocol.answers import extract_answer, verdict
+
+    gpu = torch.cuda.is_available()
+
+    def correct(completions, gold, **_) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [float(verdict(extract_answer(text), g) is True) for text, g in zip(texts, gold, strict=True)]
+
+    held_out = [json.loads(line) for line in Path(spec["held_out"]).read_text().splitlines()]
+
+    class Log(TrainerCallback):
+        """Each step's seconds (step end to step end), reward and completion length; the held-out
+        greedy accuracy before the first step and every eval_every steps."""
+
+        def __init__(self) -> None:
+            self.steps = open(spec["metrics"], "a")
+            self.evals = open(spec["evals"], "a")
+            self.trainer = None
+            self.last = None
+            self.step_s = None
+
+        def evaluate(self, step: int) -> None:
+            trainer = self.trainer
+            model, tokenizer = trainer.model, trainer.processing_class
+            texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+                     for r in held_out]  # fmt: skip
+            batch = tokenizer(texts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                out = model.generate(
+                    **batch.to(model.device),
+                    max_new_tokens=spec["max_tokens"],
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id
+                    if tokenizer.pad_token_id is not None
+                    else tokenizer.eos_token_id,
+                )
+            model.train(was_training)
+            answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            right = [verdict(extract_answer(a), r["gold"]) is True for a, r in zip(answers, held_out, strict=True)]
+            row = {"step": step, "accuracy": sum(right) / len(right), "n": len(right), "time": time.time()}
+            self.evals.write(json.dumps(row) + "\n")
+            self.evals.flush()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.evaluate(0)
+            self.last = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.monotonic()
+            self.step_s, self.last = now - self.last, now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                row = {
+                    "step": state.global_step,
+                    "reward": logs["reward"],
+                    "step_s": self.step_s,
+                    "completion_mean_length": logs.get("completions/mean_length"),
+                    "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+                }
+                self.steps.write(json.dumps(row) + "\n")
+                self.steps.flush()
+                if spec["eval_every"] and state.global_step % spec["eval_every"] == 0:
+                    self.evaluate(state.global_step)
+                    self.last = time.monotonic()  # the next step's seconds leave the evaluation out
+
+    if spec["correction"] not in ("tis", "none"):
+        raise SystemExit(f"TRL's side mirrors loss.correction tis or none, not {spec['correction']}")
+    rows = [json.loads(line) for line in Path(spec["train"]).read_text().splitlines()]
+    batch = spec["prompts_per_step"] * spec["samples_per_prompt"]
+    vllm = (
+        {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": spec["gpu_memory"],
+            "vllm_max_model_length": spec["max_model_len"],
+            "vllm_importance_sampling_correction": spec["correction"] == "tis",
+            "vllm_importance_sampling_mode": "token_truncate",
+            "vllm_importance_sampling_clip_max": spec["correction_cap"],
+        }
+        if gpu
+        else {"use_vllm": False, "use_cpu": True}
+    )
+    config = GRPOConfig(
+        output_dir=spec["out"],
+        seed=spec["seed"],
+        bf16=gpu,
+        model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32},
+        gradient_checkpointing=False,
+        max_steps=spec["steps"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=spec["samples_per_prompt"],
+        max_completion_length=spec["max_tokens"],
+        temperature=spec["temperature"],
+        top_p=spec["top_p"],
+        top_k=0,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=spec["warmup_steps"],
+        adam_beta1=spec["betas"][0],
+        adam_beta2=spec["betas"][1],
+        weight_decay=spec["weight_decay"],
+        max_grad_norm=spec["max_grad_norm"],
+        epsilon=spec["clip_low"],
+        epsilon_high=spec["clip_high"],
+        loss_type="dapo",
+        scale_rewards="group" if spec["advantage_norm"] == "std" else "none",
+        beta=0.0,
+        num_iterations=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **vllm,
+    )
+    log = Log()
+    trainer = GRPOTrainer(
+        model=spec["model"],
+        reward_funcs=correct,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[log],
+    )
+    log.trainer = trainer
+    trainer.train()
+
+
+def trl_python(args) -> str:
+    """The interpreter with TRL: --trl-python, else the CPU venv of `make bench-trl` where it exists
+    (a machine without a GPU), else this one (the GPU host, TRL on PYTHONPATH from its bundle)."""
+    if args.trl_python:
+        return args.trl_python
+    if not gpu_available() and CPU_TRL_PYTHON.exists():
+        return str(CPU_TRL_PYTHON)
+    return sys.executable
+
+
+def run_trl(raw: dict, work: Path, args) -> dict:
+    train, held_out, _ = problems(raw, work)
+    spec = trl_spec(raw, train, held_out, work, args)
+    spec_path = work / "trl.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    env = dict(os.environ)
+    if not gpu_available():
+        env.setdefault("OMP_NUM_THREADS", "1")
+    memory = MemoryWatch()
+    files = {"steps": Path(spec["metrics"]), "evals": Path(spec["evals"])}
+    command = [trl_python(args), str(Path(__file__).resolve()), "--trl-worker", str(spec_path)]
+    found = watch(command, files, work / "trl.log", args.timeout, env=env)
+    peak = memory.stop()
+    steps = [
+        {
+            "step": r["step"],
+            "t": r["t"],
+            "step_s": r["step_s"],
+            "reward": r["reward"],
+            "completion_tokens": (r["completion_mean_length"] or 0)
+            * spec["prompts_per_step"]
+            * spec["samples_per_prompt"],
+        }
+        for r in found["rows"]["steps"]
+    ]
+    evals = [
+        {"step": r["step"], "accuracy": r["accuracy"], "t": round(r["time"] - found["launched"], 2)}
+        for r in found["rows"]["evals"]
+    ]
+    torch_peak = max((r.get("peak_torch_gib") or 0 for r in found["rows"]["steps"]), default=None)
+    return {
+        "exit": found["exit"],
+        "total_s": found["total_s"],
+        "steps": steps,
+        "evals": evals,
+        "peak_gpu_gib": peak,
+        "peak_torch_gib": round(torch_peak, 2) if torch_peak else None,
+        "spec": spec,
+    }
+
+
+# -- figures ---------------------------------------------------------------------------------------
+
+
+def summary(found: dict, skip: int) -> dict:
+    steps = found["steps"]
+    kept = [s for s in steps if s["step"] > skip] or steps
+    figures = {"steps_done": len(steps), "exit": found["exit"], "peak_gpu_gib": found.get("peak_gpu_gib")}
+    if kept:
+        figures |= {
+            "median_step_s": round(statistics.median(s["step_s"] for s in kept), 3),
+            "median_generated_tokens_per_s": round(
+                statistics.median(s["completion_tokens"] / s["step_s"] for s in kept)
+            ),
+            "median_completion_tokens": round(statistics.median(s["completion_tokens"] for s in kept)),
+            "launch_to_first_step_s": round(steps[0]["t"], 1),
+            "launch_to_last_step_s": round(steps[-1]["t"], 1),
+            "reward_first_10": round(statistics.fmean(s["reward"] for s in steps[:10]), 3),
+            "reward_last_10": round(statistics.fmean(s["reward"] for s in steps[-10:]), 3),
+        }
+        if "spare_tokens" in kept[0]:
+            all_tokens = [(s["completion_tokens"] + s["spare_tokens"]) / s["step_s"] for s in kept]
+            figures["median_tokens_per_s_with_spares"] = round(statistics.median(all_tokens))
+            figures["steps_with_a_retry"] = sum(s["retries"] > 0 for s in kept)
+            for part in ("wait_s", "train_s", "publish_s"):
+                figures[f"median_{part}"] = round(statistics.median(s[part] for s in kept), 3)
+    if found.get("peak_torch_gib") is not None:
+        figures["peak_torch_gib"] = found["peak_torch_gib"]
+    evals = found["evals"]
+    if evals:
+        figures["accuracy_first"] = evals[0]["accuracy"]
+        figures["accuracy_best"] = max(e["accuracy"] for e in evals)
+        figures["accuracy_last"] = evals[-1]["accuracy"]
+        for level in LEVELS:
+            hit = next((e for e in evals if e["accuracy"] >= level), None)
+            figures[f"launch_to_accuracy_{level}_s"] = hit and hit["t"]
+            figures[f"step_reaching_accuracy_{level}"] = hit and hit["step"]
+        within = [e["accuracy"] for e in evals if e["t"] <= 300]
+        figures["best_accuracy_within_300_s"] = max(within) if within else None
+    return figures
+
+
+def plot(paths: list[str], png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        label = {"ours": "ours (trainer-svc, colocated, ahead = 1)", "trl": "TRL GRPOTrainer (vLLM colocate)"}
+        evals = data["run"]["evals"]
+        ax.plot([e["t"] for e in evals], [e["accuracy"] for e in evals], marker="o", markersize=3,
+                label=label.get(data["side"], data["side"]))  # fmt: skip
+    for level in LEVELS:
+        ax.axhline(level, color="grey", linewidth=0.6, linestyle=":")
+    ax.axvline(300, color="grey", linewidth=0.6, linestyle="--")
+    ax.set_xlabel("seconds from launch")
+    ax.set_ylabel("held-out greedy accuracy (64 rows)")
+    ax.set_ylim(0, 1)
+    first = json.loads(Path(paths[0]).read_text())
+    ax.set_title(f"SmolLM2-135M-Instruct, two-digit sums, one {first.get('machine', 'GPU')}", fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    print(f"wrote {png}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--side", choices=["ours", "trl"])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2-gpu.toml"))
+    parser.add_argument("--model", help="override model.path (a small model checks the script on a CPU)")
+    parser.add_argument("--prompts", type=int, help="override rollout.prompts_per_step")
+    parser.add_argument("--samples", type=int, help="override rollout.samples_per_prompt")
+    parser.add_argument("--tokens", type=int, help="override rollout.max_tokens")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--eval-every", type=int, default=10, help="held-out greedy accuracy every N steps")
+    parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
+    parser.add_argument("--timeout", type=float, default=540.0, help="seconds the launch may take")
+    parser.add_argument("--work", type=Path, help="directory for the run (default: a fresh one under /tmp)")
+    parser.add_argument("--trl-python", help="the interpreter with TRL (default: see trl_python)")
+    parser.add_argument("--json")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", help="draw these sides' accuracy against time")
+    parser.add_argument("--png", default=str(ROOT / "docs" / "smollm2_gpu_vs_trl.png"))
+    parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)  # internal: TRL's process
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(json.loads(Path(args.trl_worker).read_text()))
+        return
+    if args.plot:
+        plot(args.plot, args.png)
+        return
+    if not args.side:
+        parser.error("give --side ours or --side trl (or --plot)")
+    import tempfile
+
+    work = args.work or Path(tempfile.mkdtemp(prefix=f"trl-gpu-{args.side}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw = load_settings(args)
+    found = run_ours(raw, work, args) if args.side == "ours" else run_trl(raw, work, args)
+    machine = "CPU"
+    if gpu_available():
+        machine = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True).stdout.strip().splitlines()[0]  # fmt: skip
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    report = {
+        "benchmark": "trl_gpu_compare",
+        "side": args.side,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine,
+        "cores": os.cpu_count(),
+        "commit": head.strip(),
+        "config": str(args.config),
+        "settings": {k: v for k, v in raw.items() if k in ("model", "rollout", "train", "loss", "canary")},
+        "run": found,
+    }
+    if args.json:  # the raw rows first: a figure that cannot be computed must not lose the run
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    report["summary"] = summary(found, args.skip)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["summary"], indent=1))
+    if found["exit"] not in (0, None) and not found["steps"]:
+        log = work / f"{args.side}.log"
+        raise SystemExit(f"{args.side}: no step finished (exit {found['exit']}); {log}:\n{log.read_text()[-6000:]}")
+
+
+if __name__ == "__main__":
+    main()
