@@ -2,8 +2,8 @@
 step, generated tokens per second, held-out greedy accuracy against wall time from launch, launch
 to first step and peak GPU memory.
 
-    python bench/trl_gpu_compare.py --side ours [--config configs/smollm2-gpu.toml] [--steps 150] --json ours.json
-    python bench/trl_gpu_compare.py --side trl  [--config configs/smollm2-gpu.toml] [--steps 150] --json trl.json
+    python bench/trl_gpu_compare.py --side ours [--config configs/smollm2-gpu.toml] [--steps 120] --json ours.json
+    python bench/trl_gpu_compare.py --side trl  [--config configs/smollm2-gpu.toml] [--steps 120] --json trl.json
     python bench/trl_gpu_compare.py --plot ours.json trl.json --png docs/smollm2_gpu_vs_trl.png
 
 One side per command (each is one launch, timed from the command that starts it; the GPU host
@@ -517,6 +517,7 @@ def plot(paths: list[str], png: str) -> None:
     ax.set_xlabel("seconds from launch")
     ax.set_ylabel("held-out greedy accuracy (64 rows)")
     ax.set_ylim(0, 1)
+    ax.set_xlim(left=0)  # from launch: the start-up is part of the time to an accuracy
     first = json.loads(Path(paths[0]).read_text())
     ax.set_title(f"SmolLM2-135M-Instruct, two-digit sums, one {first.get('machine', 'GPU')}", fontsize=10)
     ax.legend(loc="lower right", fontsize=9)
@@ -534,7 +535,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="override rollout.prompts_per_step")
     parser.add_argument("--samples", type=int, help="override rollout.samples_per_prompt")
     parser.add_argument("--tokens", type=int, help="override rollout.max_tokens")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--eval-every", type=int, default=10, help="held-out greedy accuracy every N steps")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds the launch may take")

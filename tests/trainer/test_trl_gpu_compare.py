@@ -1,0 +1,79 @@
+"""bench/trl_gpu_compare.py sets TRL's side from the config ours runs: the same rows (never the
+held-out ones), batch, sampling, optimizer and correction; and its figures read the runs'
+rows as stamped."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import trl_gpu_compare as compare  # noqa: E402
+
+CONFIG = ROOT / "configs" / "smollm2-gpu.toml"
+
+
+def arguments(**overrides) -> argparse.Namespace:
+    values = {"config": str(CONFIG), "model": None, "prompts": None, "samples": None, "tokens": None,
+              "steps": 120, "eval_every": 10} | overrides  # fmt: skip
+    return argparse.Namespace(**values)
+
+
+def test_trl_trains_on_the_configs_training_rows_and_is_graded_on_its_canary_rows(tmp_path):
+    from trainer_svc.config import load
+    from trainer_svc.data import load_problems
+
+    raw = compare.load_settings(arguments())
+    train, held_out, count = compare.problems(raw, tmp_path)
+    cfg = load(CONFIG)
+    expected_train, expected_held_out = load_problems(cfg.data, cfg.run.seed)
+    trl_train = [json.loads(line) for line in train.read_text().splitlines()]
+    trl_held_out = [json.loads(line) for line in held_out.read_text().splitlines()]
+    assert [r["prompt"] for r in trl_train] == [p.prompt for p in expected_train]
+    assert [r["gold"] for r in trl_held_out] == [p.gold for p in expected_held_out[: cfg.canary.problems]]
+    assert count == cfg.canary.problems == 64
+    seen = {json.dumps(r["prompt"]) for r in trl_train}
+    assert not any(json.dumps(r["prompt"]) in seen for r in trl_held_out)
+
+
+def test_trl_settings_are_the_configs(tmp_path):
+    raw = compare.load_settings(arguments(steps=7, eval_every=3))
+    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(steps=7, eval_every=3))
+    assert spec["model"] == str((ROOT / "build" / "smollm2-135m-instruct").resolve())
+    assert (spec["prompts_per_step"], spec["samples_per_prompt"], spec["max_tokens"]) == (64, 8, 16)
+    assert (spec["temperature"], spec["top_p"], spec["lr"], spec["warmup_steps"]) == (0.7, 1.0, 2e-5, 5)
+    assert (spec["correction"], spec["correction_cap"], spec["gpu_memory"], spec["max_model_len"]) == (
+        "tis",
+        2.0,
+        0.3,
+        512,
+    )
+    assert (spec["steps"], spec["eval_every"]) == (7, 3)
+    assert (spec["clip_low"], spec["clip_high"], spec["betas"], spec["max_grad_norm"]) == (0.2, 0.28, [0.9, 0.99], 1.0)
+
+
+def test_a_reward_trl_cannot_mirror_is_refused(tmp_path):
+    raw = compare.load_settings(arguments())
+    raw["reward"] = {"functions": ["correct", "format"], "weights": [1.0, 0.5]}
+    with pytest.raises(SystemExit, match="correctness alone"):
+        compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
+
+
+def test_summary_times_accuracy_from_launch_and_skips_the_first_steps():
+    steps = [{"step": i, "t": 100.0 + i, "step_s": 9.0 if i <= 2 else 1.0, "reward": 0.5, "completion_tokens": 500}
+             for i in range(1, 11)]  # fmt: skip
+    evals = [{"step": 0, "accuracy": 0.1, "t": 99.0}, {"step": 5, "accuracy": 0.82, "t": 105.0},
+             {"step": 10, "accuracy": 0.86, "t": 310.0}]  # fmt: skip
+    figures = compare.summary({"exit": 0, "steps": steps, "evals": evals}, skip=2)
+    assert figures["median_step_s"] == 1.0
+    assert figures["median_generated_tokens_per_s"] == 500
+    assert figures["launch_to_first_step_s"] == 101.0
+    assert (figures["launch_to_accuracy_0.8_s"], figures["step_reaching_accuracy_0.8"]) == (105.0, 5)
+    assert (figures["launch_to_accuracy_0.85_s"], figures["step_reaching_accuracy_0.85"]) == (310.0, 10)
+    assert figures["best_accuracy_within_300_s"] == 0.82
