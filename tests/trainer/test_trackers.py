@@ -229,7 +229,13 @@ def test_a_backend_that_raises_mid_run_warns_once_is_off_and_metrics_jsonl_has_e
             out.step({"step": step, "loss": 0.5})
         out.close()
     assert backend.rows == [1] and not backend.closed
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.trackers"]
     assert len(warnings) == 1 and "Raising failed (ConnectionError: the server went away)" in warnings[0]
 

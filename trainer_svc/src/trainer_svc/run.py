@@ -41,8 +41,8 @@ from .outputs import Outputs
 from .reward_functions import Rewards
 from .rewards import Verifier
 from .sampling import Sampler, StepSampler, WeightsRef
-from .train_step import Policy, make_optimizer, make_scheduler
 from .trackers import Tracking
+from .train_step import Policy, make_optimizer, make_scheduler
 from .tripwire import CollapseTripwire
 from .weight_sync import WeightSync
 

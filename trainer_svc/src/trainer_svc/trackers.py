@@ -118,7 +118,9 @@ class TensorBoard(Backend):
 
         # purge_step: TensorBoard discards the events of steps >= it written before, the steps
         # after the resumed checkpoint that this launch runs again.
-        self.writer = SummaryWriter(str(self.directory), purge_step=self.resumed_step + 1 if self.resumed_step else None)
+        self.writer = SummaryWriter(
+            str(self.directory), purge_step=self.resumed_step + 1 if self.resumed_step else None
+        )
 
     def config(self, config: dict, toml: str) -> None:
         self.writer.add_text("config", _fenced(toml, "toml"), global_step=self.resumed_step)
