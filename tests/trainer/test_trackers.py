@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import make_config
@@ -270,3 +272,15 @@ def test_a_backend_that_blocks_never_holds_the_loop_and_its_dropped_rows_are_cou
     backend.release.set()
     out.tracking.channels[0].thread.join()
     assert backend.rows == list(range(1, 101 - dropped))
+
+
+def test_the_readmes_tracking_example_loads(tmp_path):
+    from trainer_svc.config import load
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n### Tracking\n", 1)[1].split("\n### ", 1)[0]
+    (example,) = re.findall(r"```toml\n(.*?)```", section, flags=re.S)
+    path = tmp_path / "run.toml"
+    path.write_text(f'[run]\ndir = "{tmp_path}/run"\n[model]\npath = "m"\n{example}')
+    log = load(path).log
+    assert log.tensorboard and log.wandb and log.mlflow and log.wandb_project == "grpo"
