@@ -117,10 +117,9 @@ class TensorBoard(Backend):
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: TensorBoard discards the events of steps >= it written before, the steps
-        # after the resumed checkpoint that this launch runs again.
-        self.writer = SummaryWriter(
-            str(self.directory), purge_step=self.resumed_step + 1 if self.resumed_step else None
-        )
+        # after the resumed checkpoint that this launch runs again (all of them where a launch
+        # died before its first checkpoint).
+        self.writer = SummaryWriter(str(self.directory), purge_step=self.resumed_step + 1)
 
     def config(self, config: dict, toml: str) -> None:
         self.writer.add_text("config", _fenced(toml, "toml"), global_step=self.resumed_step)
