@@ -284,3 +284,23 @@ def test_the_readmes_tracking_example_loads(tmp_path):
     path.write_text(f'[run]\ndir = "{tmp_path}/run"\n[model]\npath = "m"\n{example}')
     log = load(path).log
     assert log.tensorboard and log.wandb and log.mlflow and log.wandb_project == "grpo"
+
+
+def test_wandb_mode_auto_is_offline_without_a_key_or_a_server_and_respects_wandb_mode(monkeypatch, tmp_path):
+    import socket
+
+    from trainer_svc.trackers import wandb_mode
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode("auto", "http://127.0.0.1:9")[0] == "disabled"
+    assert wandb_mode("online", "http://127.0.0.1:9") == ("online", "log.wandb_mode = 'online'")
+    monkeypatch.delenv("WANDB_MODE")
+    mode, why = wandb_mode("auto", "http://127.0.0.1:9")
+    assert mode == "offline" and "WANDB_API_KEY" in why and "wandb login" in why
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    mode, why = wandb_mode("auto", "http://127.0.0.1:9")  # nothing listens on port 9 (discard)
+    assert mode == "offline" and "127.0.0.1 does not answer" in why
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        assert wandb_mode("auto", f"http://127.0.0.1:{server.getsockname()[1]}")[0] == "online"
