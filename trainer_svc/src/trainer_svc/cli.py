@@ -114,9 +114,12 @@ def train(
                 f"reward {s['reward_first']:.3f} (first 10 steps) -> {s['reward_last']:.3f} (last 10); "
                 f"{accuracy}{s['steps']} steps in {s['wall_s']:.0f} s"
             )
+        tensorboard = (
+            f"; TensorBoard: `tensorboard --logdir {cfg.run_dir / 'tensorboard'}`" if cfg.log.tensorboard else ""
+        )
         typer.echo(
             f"results: {cfg.run_dir / 'stage_result.json'}, "
-            f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`"
+            f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`{tensorboard}"
         )
     from .run import exit_process
 
