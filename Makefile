@@ -43,7 +43,12 @@ $(ROLLOUT)/.installed: protocol/pyproject.toml rollout_svc/pyproject.toml
 
 $(TRAINER)/.installed: protocol/pyproject.toml trainer_svc/pyproject.toml
 	$(PYTHON) -m venv $(TRAINER)
-	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) $(TORCH_SPEC) -e 'protocol[test,parquet]' -e 'trainer_svc[math]'
+	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) $(TORCH_SPEC) -e 'protocol[test,parquet]' -e 'trainer_svc[math,tensorboard]'
+	touch $@
+
+# The other tracking backends, off by default: the tests write and read back their files.
+$(TRAINER)/.tracking-installed: $(TRAINER)/.installed trainer_svc/pyproject.toml
+	$(TRAINER)/bin/pip install --quiet $(PIP_EXTRA) -e 'trainer_svc[math,tensorboard,wandb,mlflow]'
 	touch $@
 
 tiny-model: $(TINY_MODEL)/config.json
@@ -111,7 +116,7 @@ system-packages:
 
 # Lint first (seconds), then two runs, one per venv: each service's tests import only what its
 # venv holds. The real model is built first: its tests serve and import it.
-test: system-packages lint venvs real-model
+test: system-packages lint venvs real-model $(TRAINER)/.tracking-installed
 	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
 	$(TRAINER)/bin/python -m pytest tests/trainer
 

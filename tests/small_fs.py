@@ -33,12 +33,13 @@ class SmallTmpfs:
         filler = self.path / ".filler"
         st = os.statvfs(self.path)
         free = st.f_bavail * st.f_frsize - leave_bytes
-        with open(filler, "ab") as f:
+        # Unbuffered: a process writing to the disk meanwhile makes the last writes fail, and a
+        # buffer left holding their bytes would fail again, raising, at close.
+        with open(filler, "ab", buffering=0) as f:
             chunk = b"\0" * 2**16
             while free > 0:
                 try:
                     free -= f.write(chunk[: min(len(chunk), free)])
-                    f.flush()
                 except OSError:
                     break
         return filler

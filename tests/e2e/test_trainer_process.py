@@ -62,20 +62,23 @@ def setting(tmp_path_factory):
     base = tmp_path_factory.mktemp("trainer-process")
     tiny = base / "tiny"
     subprocess.run([str(ROOT / ".venvs/rollout/bin/rollout-svc"), "tiny-model", str(tiny)], check=True)
-    model = base / "warm"
-    warm_up = dict(base=tiny, problems=60, steps=150, stop_at_accuracy=0.15, eval_every=25, eval_problems=64)
-    sft = write_config(base / "sft.toml", base / "sft-run", model, base / "spool", sft=warm_up)
-    done = subprocess.run([str(TRAINER), "sft", str(sft)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The worker's engine starts (on the tiny model; each run's requests name its own weights)
+    # while the warm-up trains.
     spool = Spool(base / "spool", create=True)
     worker = ServedWorker(
         spool, "trainer-rollout",
-        ["--engine", "vllm", "--allowed-root", str(base), "--weights", str(model), "--max-model-len", "64",
+        ["--engine", "vllm", "--allowed-root", str(base), "--weights", str(tiny), "--max-model-len", "64",
          "--idle-exit", "0"],
         log_dir=base,
     )  # fmt: skip
-    keep_running(worker)
+    worker.start()
     try:
+        model = base / "warm"
+        warm_up = dict(base=tiny, problems=60, steps=150, stop_at_accuracy=0.15, eval_every=25, eval_problems=64)
+        sft = write_config(base / "sft.toml", base / "sft-run", model, base / "spool", sft=warm_up)
+        done = subprocess.run([str(TRAINER), "sft", str(sft)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        keep_running(worker)
         straight = base / "straight"
         finished = launch(write_config(base / "straight.toml", straight, model, spool.root))
         assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)

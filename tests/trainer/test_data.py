@@ -5,12 +5,18 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from conftest import make_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_svc.config import DataConfig
+from protocol import exit_codes
+from trainer_svc.config import DataConfig, dump
 from trainer_svc.data import (
     DataError,
     Problem,
@@ -144,6 +150,24 @@ def test_conversations_need_a_chat_template(tmp_path, tiny_model):
     check_chat_template(rows[:1], tokenizer, str(tiny_model))  # text rows need none
     tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     check_chat_template(rows, tokenizer, str(tiny_model))
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_with_conversations_for_a_model_without_a_chat_template_exits_2(tmp_path, tiny_model):
+    """From the user's side: `trainer-svc train`, exit 2 and the message before any step or spool."""
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{a}="}], "gold": 2 * a} for a in range(8)]
+    data = {"task": "file", "path": write_lines(tmp_path / "c.jsonl", rows), "held_out": 2}
+    # A spawned worker, as `make demo` runs; an echo one, as nothing is generated.
+    venv = Path(__file__).resolve().parents[2] / ".venvs" / "rollout"
+    rollout = {"spawn": True, "rollout_venv": str(venv), "worker_args": ["--engine", "echo"]}
+    cfg = make_config(tmp_path / "run", tiny_model, data=data, rollout=rollout)
+    config = tmp_path / "run.toml"
+    config.write_bytes(dump(cfg))
+    trainer = Path(sys.executable).parent / "trainer-svc"
+    result = subprocess.run([str(trainer), "train", str(config)], capture_output=True, text=True, timeout=100)
+    assert result.returncode == exit_codes.USAGE, result.stderr[-3000:]
+    assert re.search(r"row \S+ is a conversation, but the model .* has no chat template", result.stderr)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # -- split ---------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ def test_two_fsdp_ranks_match_one_process(warm_model, tmp_path, denominator):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     one, two = metrics(single.run_dir), metrics(sharded.run_dir)
+    # only rank 0 tracks: one TensorBoard event file, as one process writes
+    assert len(list((sharded.run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
     assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]
     assert any(r["grad_norm"] > 0 for r in one)
     torch.testing.assert_close(

@@ -242,7 +242,7 @@ def test_sigkill_while_publishing_and_pruning(base, tmp_path):
     visible step directory is complete and right, the newest is the last reported or the next."""
     publish_dir = tmp_path / "pub"
     rng = random.Random(99)
-    for _ in range(15):
+    for _ in range(10):
         latest = latest_published(publish_dir)
         child = subprocess.Popen(
             [sys.executable, __file__, "publish", str(publish_dir), str(base)], stdout=subprocess.PIPE, text=True

@@ -4,6 +4,8 @@ eval jobs' grading."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -26,6 +28,13 @@ def slow_when_asked(predicted: str, gold: str) -> bool:
 
 
 def always_equal(predicted: str, gold: str) -> bool:
+    return True
+
+
+def signalled_as_by_ctrl_c_and_stop(predicted: str, gold: str) -> bool:
+    """Sends itself what Ctrl-C and `systemctl stop` send the trainer's whole process group."""
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
     return True
 
 
@@ -209,6 +218,14 @@ def test_a_slow_second_opinion_times_out_and_the_worker_is_replaced():
         assert verifier.timeouts == 1
         assert verifier.verify("quick", "x")  # a fresh worker answers
         assert verifier.timeouts == 1 and verifier.second_opinions == 3
+
+
+def test_the_second_opinion_worker_outlives_the_signals_that_stop_the_trainer():
+    """The trainer stops at a step boundary and may still need its verifier on the way."""
+    with Verifier(_second_opinion=signalled_as_by_ctrl_c_and_stop) as verifier:
+        assert verifier.verify("y", "x")
+        assert verifier.verify("z", "x")
+        assert verifier.second_opinions == 2 and verifier.timeouts == 0
 
 
 def test_errors_of_the_second_opinion_propagate():

@@ -3,8 +3,10 @@ the file a real echo worker keeps while it serves, which shows the worker's own 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 import types
 from collections import Counter
 
@@ -26,6 +28,8 @@ FAMILIES = {
     "rollout_tokens_per_second",
     "rollout_reload_seconds",
     "rollout_generated_tokens",
+    "rollout_generation_seconds",
+    "rollout_reloading_seconds",
     "rollout_requests",
     "rollout_errors",
     "rollout_reloads",
@@ -70,6 +74,8 @@ def test_a_fresh_file_parses_with_every_family_at_zero(tmp_path):
         "rollout_tokens_per_second",
         "rollout_reload_seconds",
         "rollout_generated_tokens_total",
+        "rollout_generation_seconds_total",
+        "rollout_reloading_seconds_total",
         "rollout_reloads_total",
         "rollout_asleep",
         "rollout_sleeps_total",
@@ -96,9 +102,14 @@ def test_counters_by_outcome_and_error_code(tmp_path):
 
 def test_the_file_shows_the_counts_it_is_given_and_nothing_else(tmp_path):
     metrics = Metrics(tmp_path, "w1")
-    counters, tally = WorkerCounters(tokens=42), Tally(queue_depth=7, tokens_per_s=123.5, reload_s=2.25, reloads=1)
+    counters = WorkerCounters(tokens=42)
+    tally = Tally(
+        queue_depth=7, tokens_per_s=123.5, reload_s=2.25, reloads=1, generation_seconds=0.5, reloading_seconds=3.5
+    )
     metrics.write(counters, tally)
     parsed = parse(metrics.path)
+    assert value(parsed, "rollout_generation_seconds_total", worker="w1") == 0.5
+    assert value(parsed, "rollout_reloading_seconds_total", worker="w1") == 3.5
     assert value(parsed, "rollout_queue_depth", worker="w1") == 7
     assert value(parsed, "rollout_tokens_per_second", worker="w1") == 123.5
     assert value(parsed, "rollout_reload_seconds", worker="w1") == 2.25
@@ -235,6 +246,47 @@ def test_a_worker_counts_a_good_and_a_bad_request(spool, make_request, wait_for,
     assert value(parsed, "rollout_tokens_per_second", worker="w1") > 0
     assert value(parsed, "rollout_reloads_total", worker="w1") == 0  # echo never reloads
     assert spool.read_result("bad").error.code.value == "bad_json"
+
+
+class ReloadingEngine(EchoEngine):
+    """The echo engine, whose first call loads weights for 0.25 s of a call of at least 0.3 s."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, requests):
+        self.calls += 1
+        completions = super().generate(requests)
+        if self.calls == 1:
+            time.sleep(0.3)
+            completions = [dataclasses.replace(c, reload_s=0.25, reload_bytes=1000) for c in completions]
+        return completions
+
+
+def test_a_worker_shows_generation_tokens_per_second_and_reload_seconds(
+    spool, make_request, wait_for, tmp_path, serve_with_metrics
+):
+    """The tokens/s gauge is the generation's, the weight load left out; the seconds counters add
+    up every call, so that rate(tokens) / rate(generation seconds) holds over any window."""
+    metrics = Metrics(tmp_path, "w1")
+
+    def tokens(count: int):
+        parsed = parse(metrics.path) if metrics.path.exists() else {}
+        return parsed if value(parsed, "rollout_generated_tokens_total", worker="w1") == count else None
+
+    serve_with_metrics(spool, metrics, ReloadingEngine())
+    spool.submit(make_request("first", prompts=["hello world"], n_samples_per_prompt=2, max_tokens=5))
+    first = wait_for(lambda: tokens(10), what="the first request's tokens in the textfile")
+    generation_s = value(first, "rollout_generation_seconds_total", worker="w1")
+    assert value(first, "rollout_reloading_seconds_total", worker="w1") == 0.25
+    assert value(first, "rollout_reload_seconds", worker="w1") == 0.25
+    assert value(first, "rollout_reloads_total", worker="w1") == 1
+    assert 0.05 <= generation_s  # the call's time but its load
+    assert value(first, "rollout_tokens_per_second", worker="w1") == pytest.approx(10 / generation_s)
+    spool.submit(make_request("second", prompts=["hello"], n_samples_per_prompt=1, max_tokens=3))
+    second = wait_for(lambda: tokens(13), what="the second request's tokens in the textfile")
+    assert value(second, "rollout_reloading_seconds_total", worker="w1") == 0.25  # no load this time
+    assert value(second, "rollout_generation_seconds_total", worker="w1") > generation_s
 
 
 class ServedElsewhereEngine(EchoEngine):

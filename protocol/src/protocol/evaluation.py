@@ -26,11 +26,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from .answers import extract_answer, verdict
 from .client import SpoolClient
 from .fsio import replace_atomic
-from .messages import ChatTurn, Request
-from .rows import Row, RowError, RowFormat, is_conversation, read_rows
+from .messages import Request
+from .rows import Row, RowError, RowFormat, prompt_fields, read_rows
 
 __all__ = ["EvalReport", "Row", "RowError", "RowFormat", "read_rows", "run_eval", "write_rows"]
 
@@ -60,19 +62,25 @@ def run_eval(
     started = time.monotonic()
     # Unique per run, even for two evals started in the same second.
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+    asked = {
+        "weights_dir": weights_dir,
+        "n_samples_per_prompt": n_samples,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "stop": stop or [],
+        "logprobs": False,
+        "tag": "eval",
+        "call_id": f"{name}-{stamp}",  # one call: its parts spread over the idle workers
+    }
     requests = [
-        Request(
-            request_id=f"{name}-{stamp}-{i // prompts_per_request:05d}",
-            weights_dir=weights_dir,
-            **_prompts([row.prompt for row in rows[i : i + prompts_per_request]]),
-            n_samples_per_prompt=n_samples,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            stop=stop or [],
-            logprobs=False,
-            tag="eval",
-            call_id=f"{name}-{stamp}",  # one call: its parts spread over the idle workers
+        msgspec.convert(
+            {
+                "request_id": f"{name}-{stamp}-{i // prompts_per_request:05d}",
+                **asked,
+                **prompt_fields([row.prompt for row in rows[i : i + prompts_per_request]]),
+            },
+            Request,
         )
         for i in range(0, len(rows), prompts_per_request)
     ]
@@ -98,13 +106,6 @@ def run_eval(
         out.append(record)
     accuracy = correct / scored if scored else None
     return EvalReport(out, accuracy, time.monotonic() - started)
-
-
-def _prompts(prompts: list[str | list[dict]]) -> dict:
-    """A request's prompt fields: texts, or conversations the worker renders."""
-    if is_conversation(prompts[0]):
-        return {"messages": [[ChatTurn(turn["role"], turn["content"]) for turn in chat] for chat in prompts]}
-    return {"prompts": prompts}
 
 
 def write_rows(path: str | Path, rows: list[dict]) -> None:

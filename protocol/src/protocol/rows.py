@@ -94,6 +94,13 @@ def is_conversation(prompt: str | list[dict]) -> bool:
     return not isinstance(prompt, str)
 
 
+def prompt_fields(prompts: list[str | list[dict]]) -> dict:
+    """A request's prompt field for these prompts, as plain data (what msgspec.convert takes into
+    a Request): `prompts` for texts, `messages` for conversations, which the worker renders with
+    the model's chat template."""
+    return {"messages" if is_conversation(prompts[0]) else "prompts": list(prompts)}
+
+
 # -- reading -------------------------------------------------------------------------------------
 
 

@@ -52,9 +52,23 @@ class _Snapshot:
             return family
 
         yield gauge("rollout_queue_depth", "Requests waiting in requests/", t.queue_depth)
-        yield gauge("rollout_tokens_per_second", "Generated tokens per second in the last engine call", t.tokens_per_s)
+        yield gauge(
+            "rollout_tokens_per_second",
+            "Generated tokens per second of generation in the last engine call (its weight load excluded)",
+            t.tokens_per_s,
+        )
         yield gauge("rollout_reload_seconds", "Duration of the last weight reload or engine build", t.reload_s)
         yield counter("rollout_generated_tokens", "Generated tokens", c.tokens)
+        # Over any window: rate(generated_tokens) / rate(generation_seconds) is the generation's
+        # tokens/s, and rate(reloading_seconds) the share of time spent loading weights.
+        yield counter(
+            "rollout_generation_seconds",
+            "Seconds the engine spent generating (weight loads excluded)",
+            t.generation_seconds,
+        )
+        yield counter(
+            "rollout_reloading_seconds", "Seconds spent in weight reloads and engine builds", t.reloading_seconds
+        )
         requests = CounterMetricFamily(
             "rollout_requests", "Requests answered, by outcome", labels=["worker", "outcome"]
         )

@@ -35,7 +35,9 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)  # error results by code (sum: requests_failed)
     reloads: int = 0  # engine calls that loaded weights (a reload in place or an engine build)
     reload_s: float = 0.0  # seconds of the last such load
-    tokens_per_s: float = 0.0  # generated tokens per second of the last engine call
+    reloading_seconds: float = 0.0  # seconds of all such loads
+    tokens_per_s: float = 0.0  # generated tokens per second of generation in the last engine call (its load excluded)
+    generation_seconds: float = 0.0  # seconds the engine spent generating, loads excluded, all calls
     queue_depth: int = 0  # requests waiting in requests/ at the last scan
     asleep: bool = False  # the engine sleeps: its device memory is free
     sleeps: int = 0  # times the engine was put to sleep

@@ -414,10 +414,14 @@ class Worker:
         generate_s = time.monotonic() - started
         results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
         tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
-        self.tally.tokens_per_s = tokens / max(generate_s, 1e-9)
-        if completions and (completions[0].reload_s or completions[0].reload_bytes):  # one load per call
+        reload_s = completions[0].reload_s if completions else 0.0  # one load per call, before generating
+        generation_s = max(generate_s - reload_s, 1e-9)
+        self.tally.tokens_per_s = tokens / generation_s
+        self.tally.generation_seconds += generation_s
+        if completions and (reload_s or completions[0].reload_bytes):
             self.tally.reloads += 1
-            self.tally.reload_s = completions[0].reload_s
+            self.tally.reload_s = reload_s
+            self.tally.reloading_seconds += reload_s
         return results
 
     def _publish(self, group: list[_Job], results: list[Result]) -> None:

@@ -114,9 +114,12 @@ def train(
                 f"reward {s['reward_first']:.3f} (first 10 steps) -> {s['reward_last']:.3f} (last 10); "
                 f"{accuracy}{s['steps']} steps in {s['wall_s']:.0f} s"
             )
+        tensorboard = (
+            f"; TensorBoard: `tensorboard --logdir {cfg.run_dir / 'tensorboard'}`" if cfg.log.tensorboard else ""
+        )
         typer.echo(
             f"results: {cfg.run_dir / 'stage_result.json'}, "
-            f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`"
+            f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`{tensorboard}"
         )
     from .run import exit_process
 
@@ -189,15 +192,42 @@ def band(config: ConfigArg) -> None:
 def plot(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).")],
     out: Annotated[Path | None, typer.Option(help="PNG path; default RUN_DIR/training.png.")] = None,
+    follow: Annotated[
+        bool,
+        typer.Option(help="Redraw while the run goes, each time metrics.jsonl grows, until the run ends (or Ctrl-C)."),
+    ] = False,
+    every: Annotated[float, typer.Option(min=0.01, help="With --follow: seconds between looks at the run.")] = 10.0,
 ) -> None:
     """Draw reward, loss, entropy, response length and logprob mismatch against step."""
     from .plot import plot as draw
 
+    if follow:
+        _follow(run_dir, out, every)
+        return
     try:
         path = draw(run_dir, out)
     except ValueError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     typer.echo(f"plot written to {path}")
+
+
+def _follow(run_dir: Path, out: Path | None, every: float) -> None:
+    from .plot import follow
+
+    if not run_dir.is_dir():
+        raise _fail(exit_codes.USAGE, f"{run_dir} is not a directory: give the run's run.dir")
+    typer.echo(f"following {run_dir}: the plot is redrawn as steps land, until the run ends (Ctrl-C stops)")
+    try:
+        result = follow(
+            run_dir, out, every, lambda png, rows: typer.echo(f"plot written to {png} ({rows} step{'s' * (rows != 1)})")
+        )
+    except KeyboardInterrupt:
+        typer.echo("stopped following")
+        return
+    except ValueError as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    how = "finished" if result.get("finished") else f"stopped with exit code {result.get('exit_code')}"
+    typer.echo(f"the run {how}")
 
 
 @app.command("import-gguf")

@@ -283,6 +283,29 @@ class SftConfig(Struct):
     eval_problems: Positive = 128
 
 
+class LogConfig(Struct):
+    """Where each step's metrics row, the banner and the resolved config go beside metrics.jsonl,
+    which stays the record and is written first (trainer_svc.trackers). A backend that fails is
+    turned off with one warning; the run goes on."""
+
+    tensorboard: bool = True  # event files under <run.dir>/tensorboard (extra trainer_svc[tensorboard])
+    wandb: bool = False  # Weights & Biases (extra trainer_svc[wandb])
+    wandb_project: str = "trainer-svc"
+    wandb_entity: str = ""  # "": the account's default entity
+    # auto: WANDB_MODE where set; else online where an API key is known and the server answers,
+    # offline otherwise (the run is kept under <run.dir>/wandb; `wandb sync` uploads it later).
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    mlflow: bool = False  # MLflow (extra trainer_svc[mlflow])
+    # "": MLFLOW_TRACKING_URI where set, else a file store in <run.dir>/mlruns.
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "trainer-svc"
+    run_name: str = ""  # the run's name in W&B and MLflow; "": the run directory's name
+    # Rows a backend may fall behind (a slow server) before further rows to it are dropped,
+    # counted and warned of: the training loop never waits on a backend.
+    queue: Positive = 1000
+    close_timeout_s: NonNegativeFloat = 60.0  # longest wait at the end for a backend to send what it holds
+
+
 class Config(Struct):
     run: RunConfig
     model: ModelConfig
@@ -296,6 +319,7 @@ class Config(Struct):
     canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
     tripwire: TripwireConfig = msgspec.field(default_factory=TripwireConfig)
     band: BandConfig = msgspec.field(default_factory=BandConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
     sft: SftConfig | None = None
 
     @property

@@ -16,10 +16,9 @@ from __future__ import annotations
 import operator
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.rows import RowError, RowFormat, is_conversation, read_rows
+from protocol.rows import Row, RowError, RowFormat, is_conversation, read_rows
 
 from .config import DataConfig
 
@@ -31,14 +30,10 @@ OPERATIONS = {"+": ("add", operator.add), "-": ("sub", operator.sub), "*": ("mul
 DataError = RowError
 
 
-@dataclass(frozen=True)
-class Problem:
-    id: str
-    # Plain text sent as it is, or a conversation ([{"role", "content"}, ...]) the rollout worker
-    # renders with the model's chat template.
-    prompt: str | list[dict]
-    gold: str | None = None  # normalised as protocol.answers.normalise_number does; None: no answer known
-    fields: dict = field(default_factory=dict)  # the row's other fields, for reward functions
+# A problem is a prompt file's row (id, prompt as text or a conversation the rollout worker renders
+# with the model's chat template, normalised gold or None, the other fields for reward functions):
+# one type for the trainer, `spoolctl eval` and the prompt files.
+Problem = Row
 
 
 # -- the demo task -------------------------------------------------------------------------------
@@ -72,7 +67,7 @@ def read_prompt_file(path: str | Path, fmt: RowFormat | None = None) -> list[Pro
     """The problems of a JSONL or Parquet prompt file (protocol.rows: which field is the prompt,
     which the answer, conversations and their system prompt). Raises DataError naming the file,
     the row and the field; nothing is half loaded."""
-    return [Problem(row.id, row.prompt, row.gold, row.fields) for row in read_rows(path, fmt or RowFormat())]
+    return read_rows(path, fmt or RowFormat())
 
 
 def row_format(data: DataConfig) -> RowFormat:

@@ -97,7 +97,7 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16", expe
     with open(gguf_file, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ImportFailed(f"{gguf_file} is not a GGUF file (it does not start with the GGUF magic)")
-    source_sha256 = _sha256_file(gguf_file)
+    source_sha256 = _file_entry(gguf_file).sha256
     versions = _versions()
     model, tokenizer = _load(gguf_file, dtype)
 
@@ -243,14 +243,6 @@ def _file_entry(path: Path) -> FileEntry:
             crc = crc32c.crc32c(chunk, crc)
             size += len(chunk)
     return FileEntry(size=size, crc32c=f"{crc:08x}", sha256=sha.hexdigest())
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _versions() -> dict[str, str]:

@@ -1,5 +1,6 @@
 """What a run leaves in its directory and shows: metrics.jsonl, stage_result.json, the banner,
-and the progress bar on a terminal.
+the progress bar on a terminal, and the tracking backends (trainer_svc.trackers), each sent a
+row only after metrics.jsonl holds it.
 
 Only rank 0 writes them: `Outputs` holds its sinks; other ranks get `Outputs.silent()`, whose
 sinks do nothing, so the training loop reads the same on every rank.
@@ -12,8 +13,9 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from protocol import exit_codes
 from protocol.fsio import replace_atomic
@@ -215,36 +217,53 @@ class Silent:
     def close(self) -> None:
         pass
 
+    def row(self, row: dict) -> None:
+        pass
+
+    def end(self, result: dict) -> None:
+        pass
+
 
 @dataclass
 class Outputs:
-    """Where a run reports: metrics lines, the progress bar, the stage result."""
+    """Where a run reports: metrics lines, the progress bar, the tracking backends, the stage result."""
 
     run_dir: Path | None  # None: report nothing (ranks other than 0)
     metrics: MetricsLog | Silent
     progress: Progress | Silent
+    tracking: Any = field(default_factory=Silent)  # trackers.Tracking, or Silent
 
     @classmethod
-    def open(cls, run_dir: Path, total_steps: int, resumed_step: int, checkpoint_row: dict | None = None) -> Outputs:
+    def open(
+        cls,
+        run_dir: Path,
+        total_steps: int,
+        resumed_step: int,
+        checkpoint_row: dict | None = None,
+        tracking: Any = None,
+    ) -> Outputs:
         metrics = MetricsLog(run_dir, resumed_step, checkpoint_row)
-        return cls(run_dir, metrics, Progress(total_steps, resumed_step))
+        return cls(run_dir, metrics, Progress(total_steps, resumed_step), tracking or Silent())
 
     @classmethod
     def silent(cls) -> Outputs:
         return cls(None, Silent(), Silent())
 
     def step(self, row: dict) -> None:
-        self.metrics.write(row)
+        self.metrics.write(row)  # the record first: a backend never holds a row metrics.jsonl lacks
         self.progress.update(row)
+        self.tracking.row(row)
 
     def stage_result(self, result: dict) -> None:
         if self.run_dir is not None:
             write_json_atomic(self.run_dir / STAGE_RESULT, result)
             log.info("stage result: %s", self.run_dir / STAGE_RESULT)
+            self.tracking.end(result)
 
     def close(self) -> None:
         self.progress.close()
         self.metrics.close()
+        self.tracking.close()
 
 
 def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_figures: dict) -> dict:

@@ -184,11 +184,17 @@ def kill_pool(pool: ProcessPoolExecutor) -> None:
 _FUNCTIONS: dict[str, Callable] = {}
 
 
+def ignore_stop_signals() -> None:
+    """In a worker process: Ctrl-C and SIGTERM reach the trainer's whole process group, and the
+    trainer stops at a step boundary, which may still need this worker; the trainer stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _prepare(sys_path: list[str]) -> None:
     # The forkserver kept the sys.path it started with; the functions are found on the trainer's.
     sys.path[:] = sys_path
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()
 
 
 def _load(names: list[str]) -> None:

@@ -38,7 +38,7 @@ from multiprocessing import get_context
 from protocol import answers
 from protocol.answers import extract_answer
 
-from .reward_process import kill_pool
+from .reward_process import ignore_stop_signals, kill_pool
 
 ANSWER_FORMAT = r"-?\d+"  # the arithmetic task: digits, maybe a leading minus, nothing else
 
@@ -69,7 +69,12 @@ def _math_verify_equal(predicted: str, gold: str) -> bool:
     return verify(parsed(gold), parsed(predicted), timeout_seconds=None)
 
 
+def _prepare_worker() -> None:
+    ignore_stop_signals()
+
+
 def _prepare_math_verify_worker() -> None:
+    ignore_stop_signals()
     # math-verify warns on every call that its timeouts are off; that is deliberate here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     import math_verify  # noqa: F401  (paid once at start, not inside the first answer's timeout)
@@ -157,7 +162,7 @@ class Verifier:
         pool = ProcessPoolExecutor(
             max_workers=1,
             mp_context=get_context("forkserver"),
-            initializer=_prepare_math_verify_worker if uses_math_verify else None,
+            initializer=_prepare_math_verify_worker if uses_math_verify else _prepare_worker,
         )
         pool.submit(_ready, self._second_opinion).result(timeout=self.startup_timeout_s)
         return pool

@@ -56,7 +56,7 @@ import msgspec
 
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
-from protocol.rows import is_conversation
+from protocol.rows import prompt_fields
 from protocol.spool import Spool, id_from_name, split_claimed_name
 
 from .config import Config
@@ -341,9 +341,7 @@ class RolloutService:
         requests, start = [], 0
         for part, size in enumerate(ticket.parts):
             prompts = list(ticket.prompts[start : start + size])
-            # Conversations go as `messages`: the worker renders them with the model's chat template.
-            kind = "messages" if is_conversation(prompts[0]) else "prompts"
-            fields = {**asked, kind: prompts, "seed": ticket.seed + part}
+            fields = {**asked, **prompt_fields(prompts), "seed": ticket.seed + part}
             start += size
             digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
             run, tag = _id_part(self.cfg.run_dir.name[:40]), _id_part(ticket.tag[:12])

@@ -41,6 +41,7 @@ from .outputs import Outputs
 from .reward_functions import Rewards
 from .rewards import Verifier
 from .sampling import Sampler, StepSampler, WeightsRef
+from .trackers import Tracking
 from .train_step import Policy, make_optimizer, make_scheduler
 from .tripwire import CollapseTripwire
 from .weight_sync import WeightSync
@@ -198,7 +199,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sync=sync,
         sample=StepSampler(sampler, stream, rewards, cfg, dist_info, state.in_flight, state.spares),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
-        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row)
+        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row, Tracking.open(cfg, state.step, banner))
         if dist_info.is_main
         else Outputs.silent(),
         banner=banner,
