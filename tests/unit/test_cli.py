@@ -292,3 +292,23 @@ def test_tiny_model_refusals_exit_usage_and_name_what_to_change(tmp_path):
     odd = rollout_svc("tiny-model", str(tmp_path / "odd"), "--hidden", "100")
     assert odd.exit_code == exit_codes.USAGE and "--hidden" in odd.output
     assert not (tmp_path / "odd").exists()
+
+
+@pytest.mark.parametrize("target", [None, "cpu", "cuda"])
+def test_the_worker_tells_the_device_as_vllm_does_without_importing_it(target):
+    """The serve command decides CPU or GPU from the package metadata, in a fresh interpreter that
+    never imports vLLM; vLLM's own platform detection must agree, in this venv, whatever
+    VLLM_TARGET_DEVICE says."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    if target:
+        env["VLLM_TARGET_DEVICE"] = target
+    ours = "import sys, rollout_svc.cli as c; print(c.vllm_is_cpu_build(), 'vllm' in sys.modules)"
+    theirs = "from vllm.platforms import cpu_platform_plugin; print(cpu_platform_plugin() is not None)"
+    answers = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+        for code in (ours, theirs)
+    ]
+    assert answers[0] == [answers[1][0], "False"]

