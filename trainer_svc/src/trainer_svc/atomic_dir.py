@@ -1,9 +1,11 @@
 """A directory put in place whole: built in a hidden staging sibling, then renamed over `dest`.
 
-    staging = staging_dir(dest)                   .<name>.<pid>.partial, beside dest
-    ...write and fsync the files, fsync staging...
-    move_into_place(staging, dest)
-    remove_stale_partials(parent, stem)           what crashed writers left behind
+    with building(dest) as staging:               .<name>.<pid>.partial, beside dest
+        ...write the files into staging...
+    # here dest is the new directory, synced; an exception in the block removed staging instead
+
+Every directory the trainer writes (published weights, checkpoints, the warm-up's model, an
+imported model) is built this way.
 
 Guarantees:
 
@@ -21,16 +23,42 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
-from protocol.fsio import fsync_dir
+from protocol.fsio import fsync_dir, fsync_tree
 
 PARTIAL_SUFFIX = ".partial"
+
+
+@contextlib.contextmanager
+def building(dest: Path, *, files_synced: bool = False) -> Iterator[Path]:
+    """A fresh, empty staging directory for `dest` (what dead writers left beside it cleared
+    first). When the block ends without an exception the staging is fsynced, files and all (only
+    itself with `files_synced`: the caller fsynced each file as it wrote it), and moved into place;
+    when it raises, the staging is removed and the exception goes on."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(dest.parent, dest.name + ".")
+    staging = staging_dir(dest)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        if files_synced:
+            fsync_dir(staging)
+        else:
+            fsync_tree(staging)
+        move_into_place(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def staging_dir(dest: Path) -> Path:

@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from protocol.fsio import fsync_tree
 from protocol.weights_dir import (
     MANIFEST,
     STEP_PREFIX,
@@ -52,7 +51,7 @@ from protocol.weights_dir import (
     step_of,
 )
 
-from .atomic_dir import move_into_place
+from .atomic_dir import building
 from .model import Distributed
 from .weights_writer import COPIED_FILES
 
@@ -159,34 +158,29 @@ def save(
     if not dist_info.is_main:
         return None
     final = checkpoint_dir(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.with_name(f".{final.name}.{os.getpid()}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
     content_id = step_content_id(run_dir.name, step)
     try:
-        _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
-        for name in COPIED_FILES:
-            if (base_model / name).exists():
-                shutil.copyfile(base_model / name, staging / name)
-        state_dir = staging / STATE_DIR
-        state_dir.mkdir()
-        torch.save(optimizer_state, state_dir / "optimizer.pt")
-        _save_rng(state_dir / "rng.safetensors")
-        (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
-        manifest = Manifest(step=step, content_id=content_id, base_model=str(base_model), created_at=time.time())
-        (staging / MANIFEST).write_bytes(encode_manifest(manifest))
-        if rollout_weights is not None:
-            link_or_copy_tree(rollout_weights, staging / ROLLOUT_WEIGHTS)
-        if pin_reason is not None:
-            pin(staging, pin_reason)
-        fsync_tree(staging)
         # A save of this step from a run that stopped before recording it is replaced whole.
-        move_into_place(staging, final)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, (RuntimeError, SafetensorError)):  # torch.save and safetensors name no errno
-            raise CheckpointWriteFailed(errno.EIO, f"writing checkpoint {final} failed ({exc})") from exc
-        if isinstance(exc, OSError) and exc.filename is None:  # a failed write() names no file
+        with building(final) as staging:
+            _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
+            for name in COPIED_FILES:
+                if (base_model / name).exists():
+                    shutil.copyfile(base_model / name, staging / name)
+            state_dir = staging / STATE_DIR
+            state_dir.mkdir()
+            torch.save(optimizer_state, state_dir / "optimizer.pt")
+            _save_rng(state_dir / "rng.safetensors")
+            (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
+            manifest = Manifest(step=step, content_id=content_id, base_model=str(base_model), created_at=time.time())
+            (staging / MANIFEST).write_bytes(encode_manifest(manifest))
+            if rollout_weights is not None:
+                link_or_copy_tree(rollout_weights, staging / ROLLOUT_WEIGHTS)
+            if pin_reason is not None:
+                pin(staging, pin_reason)
+    except (RuntimeError, SafetensorError) as exc:  # torch.save and safetensors name no errno
+        raise CheckpointWriteFailed(errno.EIO, f"writing checkpoint {final} failed ({exc})") from exc
+    except OSError as exc:
+        if exc.filename is None:  # a failed write() names no file
             raise CheckpointWriteFailed(exc.errno, f"writing checkpoint {final} failed ({exc.strerror})") from exc
         raise
     return Checkpoint(final, step, content_id)

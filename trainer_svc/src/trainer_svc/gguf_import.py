@@ -41,11 +41,10 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.fsio import fsync_dir, write_synced
+from protocol.fsio import write_synced
 from protocol.weights_dir import (
     MANIFEST,
     FileEntry,
@@ -57,7 +56,7 @@ from protocol.weights_dir import (
     weights_content_id,
 )
 
-from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
+from .atomic_dir import building
 
 WEIGHTS_FILE = "model.safetensors"
 DTYPES = ("bfloat16", "float16", "float32")
@@ -101,11 +100,7 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16", expe
     versions = _versions()
     model, tokenizer = _load(gguf_file, dtype)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out_dir.parent, out_dir.name + ".")
-    staging = staging_dir(out_dir)
-    staging.mkdir()
-    try:
+    with building(out_dir) as staging:
         weights, parameters = _weights_bytes(model, dtype)
         end_of_turn = end_of_turn_ids(tokenizer)
         written = {
@@ -129,16 +124,11 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16", expe
             made_with=versions,
         )
         write_synced(staging / MANIFEST, encode_manifest(manifest, canonical=True))
-        fsync_dir(staging)
         reported = weights_content_id(str(staging))
         if reported != content_id:  # an invariant: workers report what the manifest declares
             raise AssertionError(f"protocol.weights_dir reads {reported}, the manifest declares {content_id}")
         if pin is not None:
             _check_pin(pin, expect, manifest, gguf_file, out_dir)
-        move_into_place(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Imported(out_dir, content_id, parameters, manifest.bytes, end_of_turn)
 
 

@@ -189,82 +189,117 @@ class StepSampler:
                 self.in_flight[ahead] = self._send(ahead, weights, 0, self.stream.take(self._first_size()))
 
     def _sample(self, step: int, weights: WeightsRef) -> StepRollouts:
-        cfg = self.cfg
         spent = {"generate": 0.0, "score": 0.0}
-
-        def collect_and_score(flight: InFlight):
-            began = time.monotonic()
-            groups = self.sampler.collect(flight.ticket)
-            sampled = time.monotonic()
-            ticket = flight.ticket
-            # Numbered as metrics.jsonl numbers steps (the first is 1).
-            where = f"step {ticket.step + 1}" + (f", dead-group retry {ticket.attempt}" if ticket.attempt else "")
-            scored = self.rewards.score(flight.problems, groups, where)
-            spent["generate"] += sampled - began
-            spent["score"] += time.monotonic() - sampled
-            return groups, scored
-
-        first = self.in_flight.pop(step, None)
-        if first is None:
-            first = self._send(step, weights, 0, self.stream.take(self._first_size()))
-        dropped = 0
-        if step - first.ticket.weights_step > cfg.rollout.max_policy_lag:
-            # Sampled by weights too old to train on: the same prompts again, from the newest.
-            dropped = len(first.problems)
-            first = self._send(step, weights, 0, first.problems)
-        groups, scores = collect_and_score(first)
-        reward_first = _mean([t for s in scores for t in s.totals])
-        reward_terms = {name: _mean([v for s in scores for v in s.values[name]]) for name in self.rewards.names}
+        first, dropped = self._first_sampling(step, weights)
+        groups, scores = self._collect_and_score(first, spent)
         self.spares.observe(sum(_is_dead(s) for s in scores), len(scores))
-        own = cfg.rollout.prompts_per_step
-        problems, spares = list(first.problems[:own]), range(own, len(first.problems))
-        live_spares = [i for i in spares if not _is_dead(scores[i])]
-        dead = [i for i in range(own) if _is_dead(scores[i])]
-        dead_initial, retries, spares_used = len(dead), 0, min(len(dead), len(live_spares))
-        for slot, spare in zip(dead, live_spares, strict=False):
-            problems[slot], groups[slot], scores[slot] = first.problems[spare], groups[spare], scores[spare]
-        dead, groups, scores = dead[spares_used:], groups[:own], scores[:own]
-        retry = None
-        if dead and cfg.loss.dead_group_retries:
-            retry = self._send(step, weights, 1, self.stream.take(len(dead)))
-        self._top_up(step, weights)  # after the retry: a worker serves that first, the next steps meanwhile
-        while retry is not None:
-            new_groups, new_scores = collect_and_score(retry)
-            retries += 1
-            still_dead = []
-            for slot, problem, group, scored in zip(dead, retry.problems, new_groups, new_scores, strict=False):
-                if _is_dead(scored):
-                    still_dead.append(slot)
-                else:
-                    problems[slot], groups[slot], scores[slot] = problem, group, scored
-            dead = still_dead
-            attempt = retry.ticket.attempt + 1
-            retry = None
-            if dead and attempt <= cfg.loss.dead_group_retries:
-                retry = self._send(step, weights, attempt, self.stream.take(len(dead)))
-        rewards = torch.tensor([s.totals for s in scores], dtype=torch.float32)
-        if cfg.reward.shuffle_control:
-            order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
-            rewards = rewards.flatten()[order].view_as(rewards)
-        advantages = grpo.group_advantages(rewards, cfg.loss.advantage_norm)
+        batch, dead, spares_used = self._replace_dead_by_spares(first.problems, groups, scores)
+        dead_initial = len(dead) + spares_used
+        dead, retries = self._retry_dead(step, weights, batch, dead, spent)
+        rewards, advantages = self._advantages(step, batch.scores)
         return StepRollouts(
-            problems,
-            groups,
+            batch.problems,
+            batch.groups,
             rewards,
-            scores,
+            batch.scores,
             advantages,
             dead_initial,
             len(dead),
             retries,
-            reward_first=reward_first,
-            staleness_mean=sum(step - g.weights_step for g in groups) / len(groups),
+            reward_first=_mean([t for s in scores for t in s.totals]),
+            staleness_mean=sum(step - g.weights_step for g in batch.groups) / len(batch.groups),
             dropped_stale=dropped,
             spares_used=spares_used,
-            spares=len(first.problems) - own,
+            spares=len(first.problems) - self.cfg.rollout.prompts_per_step,
             generate_s=spent["generate"],
             score_s=spent["score"],
-            reward_terms=reward_terms,
+            reward_terms={name: _mean([v for s in scores for v in s.values[name]]) for name in self.rewards.names},
         )
+
+    def _first_sampling(self, step: int, weights: WeightsRef) -> tuple[InFlight, int]:
+        """The step's first sampling (sent ahead, or now), and how many prompts were sent again
+        because it was sampled by weights older than `rollout.max_policy_lag` allows."""
+        first = self.in_flight.pop(step, None)
+        if first is None:
+            first = self._send(step, weights, 0, self.stream.take(self._first_size()))
+        if step - first.ticket.weights_step <= self.cfg.rollout.max_policy_lag:
+            return first, 0
+        # Sampled by weights too old to train on: the same prompts again, from the newest.
+        return self._send(step, weights, 0, first.problems), len(first.problems)
+
+    def _collect_and_score(self, flight: InFlight, spent: dict[str, float]) -> tuple[list[Group], list[GroupScores]]:
+        began = time.monotonic()
+        groups = self.sampler.collect(flight.ticket)
+        sampled = time.monotonic()
+        ticket = flight.ticket
+        # Numbered as metrics.jsonl numbers steps (the first is 1).
+        where = f"step {ticket.step + 1}" + (f", dead-group retry {ticket.attempt}" if ticket.attempt else "")
+        scored = self.rewards.score(flight.problems, groups, where)
+        spent["generate"] += sampled - began
+        spent["score"] += time.monotonic() - sampled
+        return groups, scored
+
+    def _replace_dead_by_spares(
+        self, problems: list[Problem], groups: list[Group], scores: list[GroupScores]
+    ) -> tuple[_Batch, list[int], int]:
+        """The step's own groups, each dead one replaced by a live spare group while there are
+        any; the slots still dead, and how many spares were used."""
+        own = self.cfg.rollout.prompts_per_step
+        batch = _Batch(list(problems[:own]), list(groups[:own]), list(scores[:own]))
+        live_spares = [i for i in range(own, len(problems)) if not _is_dead(scores[i])]
+        dead = [i for i in range(own) if _is_dead(scores[i])]
+        used = min(len(dead), len(live_spares))
+        for slot, spare in zip(dead[:used], live_spares[:used], strict=True):
+            batch.put(slot, problems[spare], groups[spare], scores[spare])
+        return batch, dead[used:], used
+
+    def _retry_dead(
+        self, step: int, weights: WeightsRef, batch: _Batch, dead: list[int], spent: dict[str, float]
+    ) -> tuple[list[int], int]:
+        """Fresh prompts for the dead slots, up to `loss.dead_group_retries` rounds, each waited
+        for; the next steps' first samplings are sent once the first round is. Returns the slots
+        still dead and the rounds made."""
+        most = self.cfg.loss.dead_group_retries
+        retry = self._send(step, weights, 1, self.stream.take(len(dead))) if dead and most else None
+        self._top_up(step, weights)  # after the retry: a worker serves that first, the next steps meanwhile
+        rounds = 0
+        while retry is not None:
+            groups, scores = self._collect_and_score(retry, spent)
+            rounds += 1
+            still_dead = []
+            for slot, problem, group, scored in zip(dead, retry.problems, groups, scores, strict=False):
+                if _is_dead(scored):
+                    still_dead.append(slot)
+                else:
+                    batch.put(slot, problem, group, scored)
+            dead = still_dead
+            attempt = retry.ticket.attempt + 1
+            retry = None
+            if dead and attempt <= most:
+                retry = self._send(step, weights, attempt, self.stream.take(len(dead)))
+        return dead, rounds
+
+    def _advantages(self, step: int, scores: list[GroupScores]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rewards as a (groups, samples) tensor (shuffled within the step for the control run)
+        and their group advantages."""
+        cfg = self.cfg
+        rewards = torch.tensor([s.totals for s in scores], dtype=torch.float32)
+        if cfg.reward.shuffle_control:
+            order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
+            rewards = rewards.flatten()[order].view_as(rewards)
+        return rewards, grpo.group_advantages(rewards, cfg.loss.advantage_norm)
+
+
+@dataclass
+class _Batch:
+    """The step's own slots: a problem, its sampled group and the group's scores in each."""
+
+    problems: list[Problem]
+    groups: list[Group]
+    scores: list[GroupScores]
+
+    def put(self, slot: int, problem: Problem, group: Group, scores: GroupScores) -> None:
+        self.problems[slot], self.groups[slot], self.scores[slot] = problem, group, scores
 
 
 def _is_dead(scores: GroupScores) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic_dir import building
 from .config import Config
 from .data import DataError, Problem, is_conversation, load_problems
 
@@ -127,11 +128,8 @@ def run_sft(cfg: Config) -> dict:
 
 
 def save_model(model, base: Path, out: Path) -> None:
-    staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    for name in os.listdir(base):  # config and tokenizer exactly as the base has them
-        if not name.endswith(".safetensors") and not name.endswith(".index.json") and (base / name).is_file():
-            shutil.copyfile(base / name, staging / name)
-    os.rename(staging, out)
+    with building(out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        for name in os.listdir(base):  # config and tokenizer exactly as the base has them
+            if not name.endswith(".safetensors") and not name.endswith(".index.json") and (base / name).is_file():
+                shutil.copyfile(base / name, staging / name)

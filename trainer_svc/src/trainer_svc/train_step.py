@@ -113,83 +113,112 @@ def train_step(
     """The step's updates, each on this rank's share of a part of the step with that part's
     totals; returns the step's statistics (sums over updates, micro-batches and ranks)."""
     model.train()
-    loss_cfg = cfg.loss
     parts = [[mb.trimmed() for mb in micro_batches(share.by_length(), cfg.train.grad_accum)] for share, _ in updates]
     compiled = compile_enabled(cfg.model.compile, dist_info.device)
     old = [old_logprobs(model, micro, cfg, compiled) for micro in parts] if len(parts) > 1 else None
     ref = [old_logprobs(reference, micro, cfg, compiled) for micro in parts] if reference is not None else None
-    scale = grpo.rank_scale(dist_info.world_size)
-    sums = dict.fromkeys(("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch"), 0.0)
-    sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum", "grad_norm"), 0.0)
-    peaks = {"mismatch_max": 0.0, "ratio_max": 0.0}
+    tally = _Tally()
     for u, ((_, totals), micro) in enumerate(zip(updates, parts, strict=True)):
         for i, mb in enumerate(micro):
-            weights = grpo.token_weights(
-                mb.mask,
-                loss_cfg.denominator,
-                step_tokens=totals.tokens,
-                step_sequences=totals.sequences,
-                max_tokens=cfg.rollout.max_tokens,
+            old_mb = None if old is None else old[u][i]
+            loss = _micro_batch_loss(
+                model, mb, totals, old_mb, None if ref is None else ref[u][i], cfg, compiled, tally
             )
-            logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)
-            old_mb = logp.detach() if old is None else old[u][i]
-            log_r = corrections.log_ratio(old_mb, mb.rollout_logprobs, mb.mask)
-            c, changed = corrections.correction_weights(
-                log_r,
-                mb.mask,
-                loss_cfg.correction,
-                cap=loss_cfg.correction_cap,
-                low=loss_cfg.correction_low,
-                high=loss_cfg.correction_high,
-            )
-            loss, stats = grpo.clipped_policy_loss(
-                logp, old_mb, mb.advantages, weights * c, loss_cfg.clip_low, loss_cfg.clip_high
-            )
-            if ref is not None:
-                kl = grpo.kl_penalty(logp, ref[u][i], weights, 1.0)
-                loss = loss + loss_cfg.kl_coef * kl
-                sums["kl"] += float(kl)
-            (loss * scale).backward()
-            tokens = float(mb.mask.sum())
-            mismatch = (old_mb - mb.rollout_logprobs).abs() * mb.mask
-            gap = corrections.correction_stats(log_r, mb.mask, changed)
-            sums["loss"] += float(loss.detach())
-            sums["entropy"] += float((weights * entropy).sum())
-            sums["weight"] += float(weights.sum())
-            sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
-            sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
-            sums["tokens"] += tokens
-            sums["mismatch"] += float(mismatch.sum())
-            for key in ("ratio_sum", "changed_sum", "k3_sum"):
-                sums[key] += gap[key]
-            peaks["mismatch_max"] = max(peaks["mismatch_max"], float(mismatch.max()) if tokens else 0.0)
-            peaks["ratio_max"] = max(peaks["ratio_max"], gap["ratio_max"])
-        sums["grad_norm"] += float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)))
+            (loss * grpo.rank_scale(dist_info.world_size)).backward()
+        tally.grad_norm += float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     if dist_info.world_size > 1:  # every rank reports the whole step, so every rank judges it alike
-        grad_norm = sums.pop("grad_norm")  # already the same on every rank (clipping reduces over ranks)
-        sums, peaks = _over_ranks(sums, peaks, dist_info.device)
-        sums["grad_norm"] = grad_norm
-    tokens = max(sums["tokens"], 1.0)
-    return {
-        "loss": sums["loss"] / len(updates),
-        # weighted sums over this rank's tokens, reported as weighted means per token
-        "entropy": _weighted_mean(sums["entropy"], sums["weight"]),
-        "kl": _weighted_mean(sums["kl"], sums["weight"]),
-        "clip_fraction_low": sums["clip_low"] / tokens,
-        "clip_fraction_high": sums["clip_high"] / tokens,
-        "grad_norm": sums["grad_norm"] / len(updates),
-        "lr": scheduler.get_last_lr()[0],
-        "mismatch_mean": sums["mismatch"] / tokens,
-        "mismatch_max": peaks["mismatch_max"],
-        # the engine/trainer gap (trainer_svc.corrections): ratio = p_old / q_engine per token
-        "ratio_mean": sums["ratio_sum"] / tokens,
-        "ratio_max": peaks["ratio_max"],
-        "corrected_fraction": sums["changed_sum"] / tokens,
-        "kl_engine": sums["k3_sum"] / tokens,
-    }
+        tally.add_over_ranks(dist_info.device)
+    return tally.report(len(updates), scheduler.get_last_lr()[0])
+
+
+def _micro_batch_loss(
+    model, mb: Batch, totals: StepTotals, old: torch.Tensor | None, ref: torch.Tensor | None, cfg: Config,
+    compiled: bool, tally: _Tally,
+) -> torch.Tensor:  # fmt: skip
+    """The micro-batch's share of the update's loss (clipped surrogate with the update's token
+    weights and the engine-gap correction, + k3 KL); its statistics go into `tally`. `old`: the
+    old policy's logprobs, None where they are this pass's own (one update per step)."""
+    loss_cfg = cfg.loss
+    weights = grpo.token_weights(
+        mb.mask,
+        loss_cfg.denominator,
+        step_tokens=totals.tokens,
+        step_sequences=totals.sequences,
+        max_tokens=cfg.rollout.max_tokens,
+    )
+    logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)
+    old = logp.detach() if old is None else old
+    log_r = corrections.log_ratio(old, mb.rollout_logprobs, mb.mask)
+    c, changed = corrections.correction_weights(
+        log_r,
+        mb.mask,
+        loss_cfg.correction,
+        cap=loss_cfg.correction_cap,
+        low=loss_cfg.correction_low,
+        high=loss_cfg.correction_high,
+    )
+    loss, stats = grpo.clipped_policy_loss(logp, old, mb.advantages, weights * c, loss_cfg.clip_low, loss_cfg.clip_high)
+    if ref is not None:
+        kl = grpo.kl_penalty(logp, ref, weights, 1.0)
+        loss = loss + loss_cfg.kl_coef * kl
+        tally.sums["kl"] += float(kl)
+    tally.add(mb, loss, weights, entropy, stats, old, corrections.correction_stats(log_r, mb.mask, changed))
+    return loss
+
+
+class _Tally:
+    """A step's statistics as sums (and maxima) over its micro-batches, then its ranks."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(
+            ("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch"), 0.0
+        )
+        self.sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum"), 0.0)
+        self.peaks = {"mismatch_max": 0.0, "ratio_max": 0.0}
+        self.grad_norm = 0.0  # the same on every rank (clipping reduces over ranks): summed over updates only
+
+    def add(self, mb: Batch, loss, weights, entropy, stats: dict, old: torch.Tensor, gap: dict) -> None:
+        sums, peaks = self.sums, self.peaks
+        tokens = float(mb.mask.sum())
+        mismatch = (old - mb.rollout_logprobs).abs() * mb.mask
+        sums["loss"] += float(loss.detach())
+        sums["entropy"] += float((weights * entropy).sum())
+        sums["weight"] += float(weights.sum())
+        sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
+        sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
+        sums["tokens"] += tokens
+        sums["mismatch"] += float(mismatch.sum())
+        for key in ("ratio_sum", "changed_sum", "k3_sum"):
+            sums[key] += gap[key]
+        peaks["mismatch_max"] = max(peaks["mismatch_max"], float(mismatch.max()) if tokens else 0.0)
+        peaks["ratio_max"] = max(peaks["ratio_max"], gap["ratio_max"])
+
+    def add_over_ranks(self, device: torch.device) -> None:
+        self.sums, self.peaks = _over_ranks(self.sums, self.peaks, device)
+
+    def report(self, updates: int, lr: float) -> dict:
+        sums, peaks = self.sums, self.peaks
+        tokens = max(sums["tokens"], 1.0)
+        return {
+            "loss": sums["loss"] / updates,
+            # weighted sums over this rank's tokens, reported as weighted means per token
+            "entropy": _weighted_mean(sums["entropy"], sums["weight"]),
+            "kl": _weighted_mean(sums["kl"], sums["weight"]),
+            "clip_fraction_low": sums["clip_low"] / tokens,
+            "clip_fraction_high": sums["clip_high"] / tokens,
+            "grad_norm": self.grad_norm / updates,
+            "lr": lr,
+            "mismatch_mean": sums["mismatch"] / tokens,
+            "mismatch_max": peaks["mismatch_max"],
+            # the engine/trainer gap (trainer_svc.corrections): ratio = p_old / q_engine per token
+            "ratio_mean": sums["ratio_sum"] / tokens,
+            "ratio_max": peaks["ratio_max"],
+            "corrected_fraction": sums["changed_sum"] / tokens,
+            "kl_engine": sums["k3_sum"] / tokens,
+        }
 
 
 def _over_ranks(sums: dict[str, float], peaks: dict[str, float], device: torch.device):

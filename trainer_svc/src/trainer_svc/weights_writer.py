@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -68,11 +67,9 @@ from pathlib import Path
 
 import torch
 
-from protocol.fsio import fsync_dir
 from protocol.weights_dir import MANIFEST, FileEntry, Manifest, encode_manifest
 
-from .atomic_dir import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: publish names partials with it
-from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
+from .atomic_dir import building
 from .model import Distributed
 from .safetensors_stream import (
     SAFETENSORS_DTYPES,
@@ -423,11 +420,7 @@ def _shard_names(count: int) -> list[str]:
 def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_bytes, checksums, started) -> Written:
     if not (base_model / "config.json").is_file():
         raise FileNotFoundError(f"{base_model} has no config.json: name the base model directory to copy it from")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(dest.parent, dest.name + ".")
-    staging = staging_dir(dest)
-    staging.mkdir()
-    try:
+    with building(dest, files_synced=True) as staging:  # each file fsynced as written
         files: dict[str, FileEntry] = {}
         names = _shard_names(len(shards))
         weight_map = {spec.name: name for shard, name in zip(shards, names, strict=True) for spec in shard}
@@ -470,11 +463,6 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
             created_at=time.time(),
         )
         write_small(staging / MANIFEST, encode_manifest(manifest))
-        fsync_dir(staging)
-        move_into_place(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Written(dest, step, content_id, total_bytes, time.monotonic() - started, files)
 
 
