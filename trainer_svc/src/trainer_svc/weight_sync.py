@@ -26,6 +26,7 @@ from protocol.weights_dir import MANIFEST
 from . import publish as published
 from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
+from .delta_publish import DeltaPublisher, deltas_wanted
 from .model import Distributed
 from .sampling import WeightsRef
 from .weights_writer import iter_full_tensors, serving_dtype
@@ -41,12 +42,15 @@ class WeightSync:
         self.dtype = {"auto": serving_dtype(dist_info.device), "float32": torch.float32, "bfloat16": torch.bfloat16}[
             cfg.publish.dtype
         ]
+        self.deltas_on, self.deltas_why = deltas_wanted(cfg.publish.delta, self.dir)
+        self.deltas = DeltaPublisher(cfg.publish.delta_anchor_every) if self.deltas_on else None
 
     def due(self, step: int) -> bool:
         return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
 
     def publish(self, model, step: int) -> WeightsRef:
-        record = published.publish(
+        write = self.deltas.publish if self.deltas is not None else published.publish
+        record = write(
             step,
             iter_full_tensors(model, self.dist),
             publish_dir=self.dir,
