@@ -61,6 +61,11 @@ def main() -> None:
         wall = train(work, args)
         figures = measure(work / "run" / "weights", args)
         figures["train_wall_s"] = round(wall, 1)
+        worker_log = (work / "run" / "rollout-worker.log").read_text(errors="replace")
+        figures["worker_rebuilds"] = worker_log.count("rollout_svc.delta_load: rebuilt ")
+        figures["worker_rebuild_lines"] = [line for line in worker_log.splitlines() if "delta_load: rebuilt" in line][
+            :3
+        ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(figures, indent=1))
