@@ -124,10 +124,22 @@ class DeltaPublisher:
         started = time.monotonic()
         main = dist_info is None or dist_info.is_main
         current = _host_copies(as_stream(tensors), dtype, keep=main)
-        if not main:
-            return None
+        record, error = None, None
+        if main:
+            try:
+                record = self._publish(step, current, started, Path(publish_dir), Path(base_model), run_name, dtype)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+                error = exc
+        if dist_info is not None and dist_info.world_size > 1:  # no rank waits for a rank 0 that failed
+            outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+            if not main and outcome is not None:
+                raise RuntimeError(f"rank 0 could not publish step {step}: {outcome}")
+        if error is not None:
+            raise error
+        return record
+
+    def _publish(self, step, current, started, publish_dir, base_model, run_name, dtype) -> published.Published:
         copied = time.monotonic()
-        publish_dir = Path(publish_dir)
         elements = sum(t.numel() for t in current.values())
         full_bytes = sum(t.numel() * t.element_size() for t in current.values())
         delta, reason, diff_s = None, "", 0.0
@@ -148,7 +160,7 @@ class DeltaPublisher:
         changed = None if delta is None else delta.changed
         delta_bytes = None if delta is None else delta.nbytes
         if delta is not None and not reason:
-            record = self._write_delta(step, delta, publish_dir, Path(base_model), run_name, dtype, current, started)
+            record = self._write_delta(step, delta, publish_dir, base_model, run_name, dtype, current, started)
             kind, reason = "delta", f"against {self.held_id}"
             self.since_anchor += 1
         else:
