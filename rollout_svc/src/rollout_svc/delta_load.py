@@ -230,22 +230,38 @@ class DeltaLoader:
         return len(data), delta.changed
 
     def _write(self, real: str, step: int | None) -> None:
-        """The copy held as a full directory in the cache (staged, renamed into place); the
-        directories of earlier versions are removed (the engine has loaded them already)."""
+        """The copy held as a full directory in the cache (staged, renamed into place). The
+        directories of earlier versions go first (the engine has loaded them already); a cache
+        of the loader's own that lacks room for the weights (a container's /dev/shm is 64 MB by
+        default) moves to the temporary directory."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        for old in self.cache_dir.iterdir():
+            shutil.rmtree(old, ignore_errors=True)
+        needed = sum(array.nbytes for array in self.held.tensors.values()) + 2**20
+        if self._own_cache and shutil.disk_usage(self.cache_dir).free < needed:
+            log.warning(
+                "%s has less room than the %d bytes of the rebuilt weights; rebuilding in %s instead",
+                self.cache_dir, needed, tempfile.gettempdir(),
+            )  # fmt: skip
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+            self._cache_dir = Path(tempfile.mkdtemp(prefix="rollout-deltas-"))
+            weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
         dest = self.cache_dir / _safe_name(self.held.content_id)
         staging = self.cache_dir / f".{dest.name}.{os.getpid()}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        for name in COPIED_FILES:
-            if os.path.isfile(os.path.join(real, name)):
-                shutil.copyfile(os.path.join(real, name), staging / name)
-        _write_safetensors(staging / REBUILT_FILE, self.held)
-        manifest = Manifest(content_id=self.held.content_id, step=step)
-        (staging / MANIFEST).write_bytes(encode_manifest(manifest))
-        for old in self.cache_dir.iterdir():
-            if old.name != staging.name:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            for name in COPIED_FILES:
+                if os.path.isfile(os.path.join(real, name)):
+                    shutil.copyfile(os.path.join(real, name), staging / name)
+            _write_safetensors(staging / REBUILT_FILE, self.held)
+            manifest = Manifest(content_id=self.held.content_id, step=step)
+            (staging / MANIFEST).write_bytes(encode_manifest(manifest))
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RequestFailed(
+                ErrorCode.ENGINE_ERROR,
+                f"the rebuilt weights of {real} cannot be written to {self.cache_dir} ({exc}); free space there",
+            ) from None
         os.rename(staging, dest)
 
 
