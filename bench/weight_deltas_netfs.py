@@ -1,7 +1,7 @@
 """Delta publishes against full ones over sshfs: the trainer publishing on one mount, a worker
 loading on another (two hosts' views of one export), SmolLM2-135M in bfloat16.
 
-    .venvs/rollout/bin/python bench/weight_deltas_netfs.py [--steps 8] [--fraction 0.02] [--json OUT]
+    .venvs/trainer/bin/python bench/weight_deltas_netfs.py [--steps 8] [--fraction 0.02] [--json OUT]
 
 The mounts are the tests' (tests/netfs.py): an sshd of its own on a loopback port, sshfs with the
 caches on. Each step flips the lowest mantissa bit of `--fraction` of the elements (the changed
@@ -60,9 +60,13 @@ def flip(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[s
 
 
 def read_shards(directory: Path) -> int:
+    """Read every shard's bytes (what a reload reads; safetensors' load_file maps the file and
+    would read only what is touched)."""
     total = 0
     for shard in sorted(directory.glob("*.safetensors")):
-        total += sum(t.numel() for t in load_file(str(shard)).values())
+        with open(shard, "rb", buffering=0) as f:
+            while chunk := f.read(64 * 2**20):
+                total += len(chunk)
     return total
 
 

@@ -101,12 +101,15 @@ class DeltaPublisher:
         self.anchor_every = anchor_every
         self.held: dict[str, torch.Tensor] | None = None  # the last publish's tensors (host, serving dtype)
         self.held_id: str | None = None  # its content id
+        # The publish before it: host buffers the next publish copies into (copying into memory
+        # already touched is 3-4x faster than into new pages: 0.19 s against 0.7 s for 270 MB).
+        self.spare: dict[str, torch.Tensor] | None = None
         self.since_anchor = 0  # deltas published since the last full publish
         self.last: PublishStats | None = None
 
     def forget(self) -> None:
         """Drop what is held: the next publish is full (after a resume, or weights put back)."""
-        self.held, self.held_id, self.since_anchor = None, None, 0
+        self.held, self.held_id, self.spare, self.since_anchor = None, None, None, 0
 
     def publish(
         self,
@@ -123,7 +126,7 @@ class DeltaPublisher:
         else whole. Returns the record on rank 0, None elsewhere."""
         started = time.monotonic()
         main = dist_info is None or dist_info.is_main
-        current = _host_copies(as_stream(tensors), dtype, keep=main)
+        current = _host_copies(as_stream(tensors), dtype, keep=main, into=self.spare)
         record, error = None, None
         if main:
             try:
@@ -169,7 +172,7 @@ class DeltaPublisher:
             )
             kind = "full"
             self.since_anchor = 0
-        self.held, self.held_id = current, record.content_id
+        self.spare, self.held, self.held_id = self.held, current, record.content_id
         self.last = PublishStats(
             step=step,
             kind=kind,
@@ -230,15 +233,22 @@ class DeltaPublisher:
         return published.Published(dest, step, content_id, total, time.monotonic() - write_started)
 
 
-def _host_copies(stream: TensorStream, dtype: torch.dtype | None, *, keep: bool) -> dict[str, torch.Tensor]:
+def _host_copies(
+    stream: TensorStream, dtype: torch.dtype | None, *, keep: bool, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Each tensor of the stream cast to `dtype` where it lives (the cast a full publish makes)
-    and copied to host memory, contiguous; every rank consumes the stream, `keep` ones keep them."""
+    and copied to host memory, contiguous, into the tensor of `into` of its name where that one
+    fits (its buffers are overwritten); every rank consumes the stream, `keep` ones keep them."""
     copies = {}
     for name, tensor in stream:
         with torch.no_grad():
             cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
             if keep:
-                host = cast.to("cpu", copy=True).contiguous()
+                host = (into or {}).get(name)
+                if host is not None and host.shape == cast.shape and host.dtype == cast.dtype:
+                    host.copy_(cast)
+                else:
+                    host = cast.to("cpu", copy=True).contiguous()
                 copies[name] = host
         del tensor, cast
     return copies
