@@ -159,3 +159,22 @@ def test_auto_publishes_deltas_over_a_network_filesystem_only(tmp_path):
     assert not on and "local filesystem" in why
     assert deltas_wanted("on", tmp_path) == (True, "publish.delta = on")
     assert deltas_wanted("off", tmp_path) == (False, "publish.delta = off")
+
+
+def test_an_anchor_beside_deltas_is_read_once_and_the_next_delta_applies_to_it(base, tmp_path):
+    publisher = DeltaPublisher(anchor_every=2)
+    weights, paths, served = start_weights(), {}, {}
+    for n in range(1, 5):  # full, delta, full, delta
+        weights = step(weights, 0.03, seed=n)
+        paths[n] = publisher.publish(
+            n, weights, publish_dir=tmp_path / "pub", base_model=base, dtype=torch.bfloat16
+        ).path
+        served[n] = {name: t.to(torch.bfloat16) for name, t in weights.items()}
+    loader = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "cache")
+    assert same_bits(rebuilt(loader, paths[3]), served[3])  # the anchor of step 4's chain: held
+    assert loader.held.content_id == read_manifest(paths[3]).content_id
+    assert same_bits(rebuilt(loader, paths[4]), served[4])
+    assert loader.last.full is None and loader.last.deltas == (read_manifest(paths[4]).content_id,)
+    outside = tmp_path / "elsewhere" / "model"
+    shutil.copytree(paths[3], outside)  # a full directory that is no step of a chain: loaded as it is
+    assert loader.inspect(str(outside)).real_path == str(outside)

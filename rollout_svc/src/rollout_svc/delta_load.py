@@ -1,8 +1,9 @@
 """Delta publishes, rebuilt into weights an engine loads like any directory.
 
     loader = DeltaLoader(policy)
-    weights = loader.inspect(weights_dir)    a full directory: policy.inspect's; a delta publish:
-                                             the rebuilt weights (Weights.path is weights_dir)
+    weights = loader.inspect(weights_dir)    a full directory: policy.inspect's; a delta publish, or
+                                             a full step directory beside delta publishes (an
+                                             anchor): the loader's copy (Weights.path is weights_dir)
     loader.close()                           its files removed
 
 A delta publish (protocol.weights_chain) holds one encoded delta against an earlier version. The
@@ -46,7 +47,7 @@ import numpy as np
 
 from protocol import weight_delta, weights_chain
 from protocol.messages import ErrorCode
-from protocol.weights_dir import MANIFEST, Manifest, ManifestError, encode_manifest, read_manifest
+from protocol.weights_dir import MANIFEST, Manifest, ManifestError, encode_manifest, read_manifest, step_of
 
 from .errors import RequestFailed
 from .weights import Weights, WeightsPolicy
@@ -100,9 +101,12 @@ class DeltaLoader:
         """`weights_dir` as Weights an engine loads: policy.inspect's for a full directory, the
         rebuilt directory for a delta publish (see the module docstring). Raises RequestFailed."""
         real = self.policy.check_allowed(weights_dir)
-        if not weights_chain.is_delta_dir(real):
+        if weights_chain.is_delta_dir(real):
+            self.policy.check_files_allowed(real, weights_dir)
+        elif _anchor_of_a_chain(real):
+            self.policy.inspect(weights_dir)  # checked as any full directory, then held like a rebuild
+        else:
             return self.policy.inspect(weights_dir)
-        self.policy.check_files_allowed(real, weights_dir)
         try:
             target = read_manifest(real)
         except (OSError, ManifestError) as exc:  # removed or replaced since the look above
@@ -263,6 +267,16 @@ class DeltaLoader:
                 f"the rebuilt weights of {real} cannot be written to {self.cache_dir} ({exc}); free space there",
             ) from None
         os.rename(staging, dest)
+
+
+def _anchor_of_a_chain(real: str) -> bool:
+    """Whether the full directory `real` is a step directory beside delta publishes: the deltas
+    after it will apply to it, so the loader reads it once into the copy it holds (and the engine
+    loads the loader's local copy) rather than reading it again, over the network, at the first
+    delta."""
+    if step_of(os.path.basename(real)) is None:
+        return False
+    return any(v.delta_base is not None for v in weights_chain.versions(os.path.dirname(real)).values())
 
 
 class _Moved(Exception):
