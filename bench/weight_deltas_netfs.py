@@ -125,6 +125,10 @@ def main() -> None:
                     "delta_load_s": time.perf_counter() - published,
                     "delta_bytes_written": record.bytes,
                     "changed_fraction": publisher.last.changed_fraction,
+                    # where the delta publish went: host copies, diff, the directory (encode included)
+                    "delta_copy_s": publisher.last.copy_s,
+                    "delta_diff_s": publisher.last.diff_s,
+                    "delta_write_s": publisher.last.write_s,
                 }
                 rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
                 print(json.dumps(rows[-1]), flush=True)

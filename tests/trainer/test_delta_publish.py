@@ -178,3 +178,23 @@ def test_an_anchor_beside_deltas_is_read_once_and_the_next_delta_applies_to_it(b
     outside = tmp_path / "elsewhere" / "model"
     shutil.copytree(paths[3], outside)  # a full directory that is no step of a chain: loaded as it is
     assert loader.inspect(str(outside)).real_path == str(outside)
+
+
+def test_tensors_already_in_the_serving_dtype_are_read_in_place_and_never_kept(base, tmp_path):
+    """A model trained in bfloat16 on the host: its parameters are diffed where they are, not
+    copied; the copy held must still be the publish's, not the parameters updated in place since."""
+    publisher = DeltaPublisher(anchor_every=3)
+    loader = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "cache")
+    parameters = {name: t.to(torch.bfloat16) for name, t in start_weights().items()}
+    kinds = []
+    for n in range(1, 8):
+        g = torch.Generator().manual_seed(n)
+        with torch.no_grad():
+            for t in parameters.values():  # an optimizer step: in place
+                t.add_((torch.rand(t.shape, generator=g) < 0.03) * 0.25)
+        snapshot = {name: t.clone() for name, t in parameters.items()}
+        record = publisher.publish(n, parameters, publish_dir=tmp_path / "pub", base_model=base)
+        kinds.append(publisher.last.kind)
+        assert all(held is not parameters[name] for name, held in publisher.held.items())
+        assert same_bits(rebuilt(loader, record.path), snapshot), n
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]

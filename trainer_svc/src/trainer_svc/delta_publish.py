@@ -126,11 +126,13 @@ class DeltaPublisher:
         else whole. Returns the record on rank 0, None elsewhere."""
         started = time.monotonic()
         main = dist_info is None or dist_info.is_main
-        current = _host_copies(as_stream(tensors), dtype, keep=main, into=self.spare)
+        current, borrowed = _host_tensors(as_stream(tensors), dtype, keep=main, into=self.spare)
         record, error = None, None
         if main:
             try:
-                record = self._publish(step, current, started, Path(publish_dir), Path(base_model), run_name, dtype)
+                record = self._publish(
+                    step, current, borrowed, started, Path(publish_dir), Path(base_model), run_name, dtype
+                )
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
                 error = exc
         if dist_info is not None and dist_info.world_size > 1:  # no rank waits for a rank 0 that failed
@@ -141,7 +143,9 @@ class DeltaPublisher:
             raise error
         return record
 
-    def _publish(self, step, current, started, publish_dir, base_model, run_name, dtype) -> published.Published:
+    def _publish(
+        self, step, current, borrowed, started, publish_dir, base_model, run_name, dtype
+    ) -> published.Published:
         copied = time.monotonic()
         elements = sum(t.numel() for t in current.values())
         full_bytes = sum(t.numel() * t.element_size() for t in current.values())
@@ -172,7 +176,21 @@ class DeltaPublisher:
             )
             kind = "full"
             self.since_anchor = 0
-        self.spare, self.held, self.held_id = self.held, current, record.content_id
+        if kind == "delta":  # the copy held becomes this publish: the changed elements written into it
+            held = _bits(self.held)
+            for name, tensor_delta in delta.tensors.items():
+                weight_delta.apply(held[name], tensor_delta)
+            self.spare = {name: t for name, t in current.items() if name not in borrowed} or self.spare
+        else:  # the tensors published, owned: a borrowed one (the caller's own) is copied first
+            for name in borrowed:
+                target = (self.held or {}).get(name)
+                if target is not None and target.shape == current[name].shape and target.dtype == current[name].dtype:
+                    target.copy_(current[name])
+                    current[name] = target
+                else:
+                    current[name] = current[name].clone()
+            self.spare, self.held = None if borrowed else self.held, current
+        self.held_id = record.content_id
         self.last = PublishStats(
             step=step,
             kind=kind,
@@ -233,25 +251,32 @@ class DeltaPublisher:
         return published.Published(dest, step, content_id, total, time.monotonic() - write_started)
 
 
-def _host_copies(
+def _host_tensors(
     stream: TensorStream, dtype: torch.dtype | None, *, keep: bool, into: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """Each tensor of the stream cast to `dtype` where it lives (the cast a full publish makes)
-    and copied to host memory, contiguous, into the tensor of `into` of its name where that one
-    fits (its buffers are overwritten); every rank consumes the stream, `keep` ones keep them."""
-    copies = {}
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Each tensor of the stream cast to `dtype` where it lives (the cast a full publish makes),
+    in host memory, contiguous; and the names of those that are the caller's own tensors,
+    borrowed (a host tensor already in `dtype`: read, never copied, never kept past the publish).
+    Others are copied into the tensor of `into` of their name where it fits (overwritten: memory
+    already touched takes a copy 3-4x faster than new pages). Every rank consumes the stream,
+    `keep` ones keep the tensors."""
+    tensors, borrowed = {}, set()
     for name, tensor in stream:
         with torch.no_grad():
             cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
-            if keep:
+            if keep and cast.device.type == "cpu" and cast.is_contiguous():
+                tensors[name] = cast  # the cast's own result, or the caller's tensor (borrowed)
+                if cast.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                    borrowed.add(name)
+            elif keep:
                 host = (into or {}).get(name)
                 if host is not None and host.shape == cast.shape and host.dtype == cast.dtype:
                     host.copy_(cast)
                 else:
                     host = cast.to("cpu", copy=True).contiguous()
-                copies[name] = host
+                tensors[name] = host
         del tensor, cast
-    return copies
+    return tensors, borrowed
 
 
 def _bits(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
