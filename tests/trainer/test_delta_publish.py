@@ -1,11 +1,12 @@
 """delta_publish: publishes as sparse deltas against the previous one, full anchors, the choice by
-size, the worker's rebuild bit for bit, and pruning that keeps the links a chain needs."""
+size, every publish rebuilt bit for bit from its chain, and pruning that keeps the links a chain
+needs. The rebuild here is protocol's (weights_chain, weight_delta), what the worker's loader
+does (rollout_svc.delta_load, tested in tests/unit/test_delta_load.py; both together through
+vLLM in tests/e2e/test_trainer_process.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,11 +15,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from protocol import weights_chain  # noqa: E402
+from protocol import weight_delta, weights_chain  # noqa: E402
 from protocol.weights_dir import read_manifest  # noqa: E402
-from rollout_svc.delta_load import DeltaLoader  # noqa: E402
-from rollout_svc.errors import RequestFailed  # noqa: E402
-from rollout_svc.weights import WeightsPolicy  # noqa: E402
 from trainer_svc.delta_publish import DeltaPublisher, deltas_wanted  # noqa: E402
 from trainer_svc.publish import prune_published  # noqa: E402
 
@@ -55,12 +53,23 @@ def step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[s
     return out
 
 
-def rebuilt(loader: DeltaLoader, path: Path) -> dict[str, torch.Tensor]:
-    """What the worker's loader makes of a published directory: its tensors, as bfloat16."""
+def rebuilt(path: Path) -> dict[str, torch.Tensor]:
+    """Published weights rebuilt from nothing: the newest anchor on the chain, then each delta."""
     from safetensors.torch import load_file
 
-    weights = loader.inspect(str(path))
-    return load_file(os.path.join(weights.real_path, weights.shards[0]))
+    found = weights_chain.versions(path.parent)
+    plan = weight_delta.plan(read_manifest(path).content_id, weights_chain.links(found))
+    anchor = found[plan.full].path
+    tensors = {}
+    for shard in sorted(anchor.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    held = {name: t.view(torch.int16).numpy().view("<u2") for name, t in tensors.items()}  # bfloat16's bits
+    content_id = plan.full
+    for link in plan.deltas:
+        delta = weight_delta.decode((found[link].path / weights_chain.DELTA_FILE).read_bytes())
+        weight_delta.apply_model(held, delta, held_id=content_id)
+        content_id = delta.content_id
+    return tensors
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -69,7 +78,6 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_a_chain_of_deltas_rebuilds_every_publish_bit_for_bit(base, tmp_path):
     publisher = DeltaPublisher(anchor_every=4)
-    loader = DeltaLoader(WeightsPolicy([str(tmp_path)]), cache_dir=tmp_path / "cache")
     weights = start_weights()
     kinds = []
     for n in range(1, 10):
@@ -78,8 +86,8 @@ def test_a_chain_of_deltas_rebuilds_every_publish_bit_for_bit(base, tmp_path):
         kinds.append(publisher.last.kind)
         verify(record.path, checksums=True)  # manifest last, every file listed with its crc32c
         served = {name: t.to(torch.bfloat16) for name, t in weights.items()}  # what a full publish holds
-        assert same_bits(rebuilt(loader, record.path), served), n
-        assert loader.inspect(str(record.path)).content_id == record.content_id == read_manifest(record.path).content_id
+        assert same_bits(rebuilt(record.path), served), n
+        assert record.content_id == read_manifest(record.path).content_id
         if publisher.last.kind == "delta":
             assert publisher.last.delta_bytes < publisher.last.full_bytes / 4
             assert 0.005 < publisher.last.changed_fraction < 0.06
@@ -89,32 +97,6 @@ def test_a_chain_of_deltas_rebuilds_every_publish_bit_for_bit(base, tmp_path):
     assert [v.delta_base is None for v in sorted(chain.values(), key=lambda v: v.step)] == [
         kind == "full" for kind in kinds
     ]
-
-
-def test_a_worker_holding_nothing_starts_from_the_anchor_and_a_missing_link_falls_back_to_a_newer_one(base, tmp_path):
-    publisher = DeltaPublisher(anchor_every=3)
-    weights, paths, served = start_weights(), {}, {}
-    for n in range(1, 6):  # full, delta, delta, full, delta
-        weights = step(weights, 0.03, seed=n)
-        paths[n] = publisher.publish(
-            n, weights, publish_dir=tmp_path / "pub", base_model=base, dtype=torch.bfloat16
-        ).path
-        served[n] = {name: t.to(torch.bfloat16) for name, t in weights.items()}
-    fresh = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "fresh")
-    assert same_bits(rebuilt(fresh, paths[3]), served[3])
-    assert fresh.last.full == read_manifest(paths[1]).content_id and len(fresh.last.deltas) == 2
-    # Step 2 goes: step 3 can no longer be rebuilt from the anchor, step 5 can (from step 4).
-    holder = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "holder")
-    assert same_bits(rebuilt(holder, paths[2]), served[2])
-    shutil.rmtree(paths[2])
-    assert same_bits(rebuilt(holder, paths[3]), served[3])  # it holds step 2: the chain reaches it
-    assert same_bits(rebuilt(holder, paths[5]), served[5])
-    assert holder.last.full == read_manifest(paths[4]).content_id  # its copy is not on 5's chain: the anchor
-    with pytest.raises(RequestFailed) as failed:
-        rebuilt(DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "other"), paths[3])
-    assert failed.value.code.value == "weights_not_found"
-    assert read_manifest(paths[1]).content_id not in failed.value.message  # names the break, not the anchor
-    assert "cannot be rebuilt" in failed.value.message and "step_00000002" in failed.value.message
 
 
 def test_a_dense_update_is_published_whole(base, tmp_path):
@@ -148,7 +130,7 @@ def test_prune_keeps_the_links_of_every_chain_it_must_keep(base, tmp_path):
     assert removed == [paths[4]]
     for n in (1, 2, 3, 5, 6, 7):
         assert paths[n].is_dir()
-    assert same_bits(rebuilt(DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "c"), paths[3]), served[3])
+    assert same_bits(rebuilt(paths[3]), served[3])
     (spool / "claimed" / "r1@w.json").unlink()
     assert prune_published(tmp_path / "pub", keep_last=1, spool_dir=spool) == [paths[1], paths[2], paths[3]]
     assert sorted(p.name for p in (tmp_path / "pub").iterdir()) == ["step_00000005", "step_00000006", "step_00000007"]
@@ -161,30 +143,10 @@ def test_auto_publishes_deltas_over_a_network_filesystem_only(tmp_path):
     assert deltas_wanted("off", tmp_path) == (False, "publish.delta = off")
 
 
-def test_an_anchor_beside_deltas_is_read_once_and_the_next_delta_applies_to_it(base, tmp_path):
-    publisher = DeltaPublisher(anchor_every=2)
-    weights, paths, served = start_weights(), {}, {}
-    for n in range(1, 5):  # full, delta, full, delta
-        weights = step(weights, 0.03, seed=n)
-        paths[n] = publisher.publish(
-            n, weights, publish_dir=tmp_path / "pub", base_model=base, dtype=torch.bfloat16
-        ).path
-        served[n] = {name: t.to(torch.bfloat16) for name, t in weights.items()}
-    loader = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "cache")
-    assert same_bits(rebuilt(loader, paths[3]), served[3])  # the anchor of step 4's chain: held
-    assert loader.held.content_id == read_manifest(paths[3]).content_id
-    assert same_bits(rebuilt(loader, paths[4]), served[4])
-    assert loader.last.full is None and loader.last.deltas == (read_manifest(paths[4]).content_id,)
-    outside = tmp_path / "elsewhere" / "model"
-    shutil.copytree(paths[3], outside)  # a full directory that is no step of a chain: loaded as it is
-    assert loader.inspect(str(outside)).real_path == str(outside)
-
-
 def test_tensors_already_in_the_serving_dtype_are_read_in_place_and_never_kept(base, tmp_path):
     """A model trained in bfloat16 on the host: its parameters are diffed where they are, not
     copied; the copy held must still be the publish's, not the parameters updated in place since."""
     publisher = DeltaPublisher(anchor_every=3)
-    loader = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "cache")
     parameters = {name: t.to(torch.bfloat16) for name, t in start_weights().items()}
     kinds = []
     for n in range(1, 8):
@@ -196,5 +158,5 @@ def test_tensors_already_in_the_serving_dtype_are_read_in_place_and_never_kept(b
         record = publisher.publish(n, parameters, publish_dir=tmp_path / "pub", base_model=base)
         kinds.append(publisher.last.kind)
         assert all(held is not parameters[name] for name, held in publisher.held.items())
-        assert same_bits(rebuilt(loader, record.path), snapshot), n
+        assert same_bits(rebuilt(record.path), snapshot), n
     assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
