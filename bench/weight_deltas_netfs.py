@@ -1,7 +1,11 @@
 """Delta publishes against full ones over sshfs: the trainer publishing on one mount, a worker
 loading on another (two hosts' views of one export), SmolLM2-135M in bfloat16.
 
-    .venvs/trainer/bin/python bench/weight_deltas_netfs.py [--steps 8] [--fraction 0.02] [--json OUT]
+    PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \
+        .venvs/trainer/bin/python bench/weight_deltas_netfs.py [--steps 8] [--fraction 0.02] [--json OUT]
+
+(both services' code on the path: the trainer's publisher and the worker's loader run here side by
+side; each venv holds its own service only.)
 
 The mounts are the tests' (tests/netfs.py): an sshd of its own on a loopback port, sshfs with the
 caches on. Each step flips the lowest mantissa bit of `--fraction` of the elements (the changed
