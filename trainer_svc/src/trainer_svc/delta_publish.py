@@ -12,15 +12,18 @@ id the delta applies to. A rollout worker rebuilds it from the chain (rollout_sv
 
 Guarantees:
 
-- What is diffed is what was published: each tensor cast to the serving dtype once, copied to
-  host memory and kept there (one copy of the model in the serving dtype, on rank 0), never the
-  float32 master weights, so the anchor and the deltas after it rebuild each publish bit for bit.
-  A full publish writes those same host tensors.
+- What is diffed is what was published: each tensor cast to the serving dtype once (on its
+  device), in host memory, never the float32 master weights; the publisher keeps the last
+  publish's tensors (one copy of the model in the serving dtype, on rank 0) and diffs the next
+  against them, so the anchor and the deltas after it rebuild each publish bit for bit. A full
+  publish writes those same host tensors. Host tensors already in the serving dtype are read
+  where they are (no copy) and copied into the kept ones only when the publish is full; a delta
+  is written into the kept copy after its directory is in place.
 - At most `anchor_every - 1` deltas follow a full publish (the anchor), so a worker that holds
   nothing reads at most that many deltas after one full directory.
-- A delta is published only when it is smaller than `DELTA_PAYS` of the full weights (an index
-  and a value per changed element: at bfloat16 a fifth of the elements changing already costs
-  half the bytes); otherwise the publish is full, and that is the new anchor.
+- A delta is published only when it is smaller than `DELTA_PAYS` of the full weights (a 4-byte
+  index and the new value per changed element: at bfloat16 a sixth of the elements changing
+  already costs half the bytes, at float32 a quarter); otherwise the publish is full, and that is the new anchor.
 - The first publish of a process is full (nothing is held to diff against: a resume, a restart).
 - Atomic and durable like every publish (atomic_dir, fsync of each file and of the directory).
 
