@@ -137,8 +137,15 @@ def test_prune_keeps_the_links_of_every_chain_it_must_keep(base, tmp_path):
 
 
 def test_auto_publishes_deltas_over_a_network_filesystem_only(tmp_path):
+    from netfs import bindfs_mount, require
+
     on, why = deltas_wanted("auto", tmp_path / "not-yet" / "weights")
     assert not on and "local filesystem" in why
+    require("bindfs")
+    (tmp_path / "export").mkdir()
+    with bindfs_mount(tmp_path / "export", tmp_path / "mounted") as mounted:  # FUSE, as sshfs is
+        on, why = deltas_wanted("auto", mounted / "run" / "weights")
+        assert on and why.startswith(f"auto: {mounted} is on a network filesystem (fuse")
     assert deltas_wanted("on", tmp_path) == (True, "publish.delta = on")
     assert deltas_wanted("off", tmp_path) == (False, "publish.delta = off")
 
