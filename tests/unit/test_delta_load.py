@@ -6,6 +6,7 @@ tests/e2e/test_trainer_process.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -116,3 +117,31 @@ def test_links_outside_the_allowed_roots_are_refused(model, tmp_path):
     with pytest.raises(RequestFailed) as failed:
         loader.inspect(str(tmp_path / "inside" / "published" / chain.paths[2].name))
     assert failed.value.code == ErrorCode.WEIGHTS_NOT_ALLOWED
+
+
+def test_the_cache_of_a_worker_that_died_is_removed_by_the_next_one(model, tmp_path):
+    import subprocess
+
+    from rollout_svc import delta_load
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names a process that is gone
+    probe = delta_load._default_cache()
+    root = probe.parent  # where a loader's cache goes on this machine
+    probe.rmdir()
+    stale = root / f"rollout-deltas-{dead.pid}-x-"
+    live = root / f"rollout-deltas-{os.getppid()}-y-"  # the process that started this one: alive
+    for path in (stale, live):
+        (path / "weights").mkdir(parents=True)
+    try:
+        chain = chain_of(model, tmp_path, anchors={1}, steps=2)
+        loader = DeltaLoader(WeightsPolicy())  # its own cache, made at its first rebuild
+        assert same_bits(served(loader, chain.paths[2]), full(chain, 2))
+        assert not stale.exists() and live.exists()
+        assert loader.cache_dir.name.startswith(f"rollout-deltas-{os.getpid()}-")
+        own = loader.cache_dir
+        loader.close()
+        assert not own.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
