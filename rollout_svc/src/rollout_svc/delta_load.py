@@ -27,6 +27,9 @@ Guarantees:
 - Every directory read (the named one, each link, the anchor) passes the worker's policy
   (allowed roots) first; a link whose content id changes while it is read (republished) is
   read again, a few times, then the request fails with weights_invalid.
+- The cache holds the rebuilt weights of one version at a time; a loader's own cache
+  (`rollout-deltas-<pid>-...` in /dev/shm, or the temporary directory when /dev/shm lacks room)
+  is removed when the loader goes, and the next loader removes those of processes that are gone.
 - A failure leaves the copy held consistent: a delta is applied whole or not at all, and the copy
   is known by the content id of the last version applied.
 """
