@@ -264,6 +264,24 @@ def test_a_stop_between_two_publishes_resumes_exactly(setting):
     assert step_rows(run_dir) == expected
 
 
+def test_a_run_publishing_sparse_deltas_samples_exactly_as_one_publishing_full_weights(setting):
+    """publish.delta = on, bfloat16 publishes, a learning rate at which few elements change per
+    step: the shared worker rebuilds each delta from its chain (its log says so), and every
+    step's metrics equal those of the same run publishing full bfloat16 directories: the worker
+    served the same weights, bit for bit."""
+    bf16 = {"publish": {"dtype": "bfloat16", "keep_last": 2}, "train": {"lr": 1e-6}}
+    expected = straight_rows(setting, "full-bf16", **merge(bf16, {"publish": {"delta": "off"}}))
+    rows = straight_rows(setting, "deltas-bf16", **merge(bf16, {"publish": {"delta": "on", "delta_anchor_every": 4}}))
+    trainer_log = (setting["base"] / "deltas-bf16.log").read_text()
+    assert "sparse deltas, a full anchor every 4 publishes (publish.delta = on)" in trainer_log  # the banner
+    published = [line for line in trainer_log.splitlines() if "delta_publish: published step" in line]
+    assert sum(" delta (against " in line for line in published) >= STEPS // 2, published
+    worker_log = (setting["base"] / "trainer-rollout.log").read_text()
+    prefix = f"delta_load: rebuilt {setting['base'] / 'deltas-bf16' / 'weights'}/step_"
+    assert sum(prefix in line for line in worker_log.splitlines()) >= STEPS // 2
+    assert rows == expected
+
+
 def nothing_torn(run_dir: Path) -> None:
     """No half directory, no scratch file, and metrics.jsonl whole: rows of steps 1, 2, 3... each
     a complete line."""

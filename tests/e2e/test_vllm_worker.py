@@ -16,6 +16,7 @@ import time
 
 import pytest
 from conftest import ServedWorker, keep_running, poll, stop_worker, wait_for_status
+from delta_chain import Chain, delta_bytes, manifest_of, moved
 
 from protocol.messages import ChatTurn, ErrorCode, Request
 from protocol.spool import Spool
@@ -384,3 +385,56 @@ def test_a_file_linked_outside_the_roots_is_refused_and_the_worker_serves_on(wor
         assert poll(worker["spool"].bad_path(f"{result.request_id}.json").exists, until=bool)
     clean = ask(client, models["b"])
     assert clean.ok and clean.worker_id == WORKER and worker["proc"].poll() is None
+
+
+# -- delta publishes (protocol.weights_chain): rebuilt by the worker, served like the full weights --
+
+
+def _same_samples(client, delta_dir, full_dir):
+    """The same seeded request on a delta publish and on the full weights of its step."""
+    fields = dict(n_samples_per_prompt=4, max_tokens=12, temperature=1.0, seed=11)
+    from_delta = ask(client, delta_dir, ["12+7=", "Hello"], **fields)
+    from_full = ask(client, full_dir, ["12+7=", "Hello"], **fields)
+    assert from_delta.ok, from_delta.error
+    assert from_full.ok, from_full.error
+    assert from_delta.weights_dir == str(delta_dir)
+    assert from_delta.weights_content_id == manifest_of(delta_dir)["content_id"]
+    assert from_delta.token_ids == from_full.token_ids
+    assert from_delta.logprobs == from_full.logprobs  # bit for bit: the same weights in the same engine
+    return from_delta
+
+
+def test_a_chain_of_delta_publishes_is_served_exactly_as_the_full_weights(worker, models, client_for):
+    client = client_for(worker["spool"].root)
+    root = models["root"] / f"deltas-{time.time_ns()}"
+    chain = Chain(models["a"], root / "published", root / "full")
+    tensors = chain.tensors
+    for step in (1, 2, 3):  # an anchor, then two deltas
+        tensors = moved(tensors, 0.03, seed=step)
+        chain.publish(step, tensors, full=step == 1)
+    assert delta_bytes(chain.paths[3]) < (chain.full_paths[3] / "model.safetensors").stat().st_size / 4
+    served = [_same_samples(client, chain.paths[step], chain.full_paths[step]) for step in (2, 3)]
+    original = ask(client, models["a"], ["12+7=", "Hello"], n_samples_per_prompt=4, max_tokens=12, seed=11)
+    assert original.token_ids != served[-1].token_ids  # the deltas changed the weights served
+    assert served[-1].timings.reload_s > 0
+    log = (worker["base"] / f"{WORKER}.log").read_text()
+    assert f"rebuilt {chain.paths[2]} from {manifest_of(chain.paths[1])['content_id']} and 1 deltas" in log
+    assert f"rebuilt {chain.paths[3]} from the weights held and 1 deltas" in log
+
+    # A new anchor: the copy the worker holds (step 3) is not on step 5's chain, which starts there.
+    for step in (4, 5):
+        tensors = moved(tensors, 0.03, seed=step)
+        chain.publish(step, tensors, full=step == 4)
+    _same_samples(client, chain.paths[5], chain.full_paths[5])
+    log = (worker["base"] / f"{WORKER}.log").read_text()
+    assert f"rebuilt {chain.paths[5]} from {manifest_of(chain.paths[4])['content_id']} and 1 deltas" in log
+
+    # Step 3 once its anchor and link are gone, on a worker holding step 5: a clear error, and the
+    # worker serves on.
+    shutil.rmtree(chain.paths[1])
+    shutil.rmtree(chain.paths[2])
+    failed = ask(client, chain.paths[3], ["12+7="])
+    assert not failed.ok and failed.error.code == ErrorCode.WEIGHTS_NOT_FOUND
+    assert "cannot be rebuilt" in failed.error.message
+    assert manifest_of(chain.paths[3])["delta_base"] in failed.error.message  # the version the chain breaks at
+    assert ask(client, chain.paths[5], ["12+7="]).ok

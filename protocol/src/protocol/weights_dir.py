@@ -38,6 +38,8 @@ Guarantees:
 - Encoding writes the fields in the order above, leaving out those that are None. The trainer's
   manifests are `json.dumps(..., indent=1)` of that (as they always were); an import's are
   canonical: sorted keys, indent 2, a final newline, so the same import gives the same bytes.
+- A delta publish is a step directory whose manifest names `delta_base` (the content id it
+  applies to) and whose weights are one encoded delta (protocol.weights_chain), not shards.
 - Step directories are `step_` and the step in at least 8 digits; `step_of` reads any number of
   digits, so the order of steps is the numbers', not the names'.
 """
@@ -98,6 +100,9 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float | None = None  # Unix time of the write
     source: Source | None = None  # an import's source file
     made_with: dict[str, str] | None = None  # library -> version that made an import
+    # A delta publish (protocol.weights_chain): the content id of the weights its one file
+    # (weights_chain.DELTA_FILE) applies to. None: the directory holds the weights whole.
+    delta_base: str | None = None
 
     def __post_init__(self) -> None:
         for name in self.files or {}:

@@ -239,6 +239,10 @@ class PublishConfig(Struct):
     dir: str = ""  # where they go; default <run.dir>/weights. A tmpfs or local NVMe root is fastest
     keep_last: Positive = 3  # newest kept; older ones too while a pending or claimed request names them
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # serving dtype; auto: bfloat16 on GPU, else the model's
+    # Sparse deltas (trainer_svc.delta_publish): a publish holds only the elements that changed since
+    # the previous one when that is under half the bytes. auto: on over a network filesystem.
+    delta: Literal["auto", "on", "off"] = "auto"
+    delta_anchor_every: Positive = 8  # a full publish at least every this many, so a chain stays short
 
 
 class CheckpointConfig(Struct):

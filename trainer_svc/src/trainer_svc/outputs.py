@@ -266,6 +266,16 @@ class Outputs:
         self.tracking.close()
 
 
+def describe_weight_sync(cfg) -> str:
+    """How weights reach the workers: 'full directories (...)' or 'sparse deltas (...)'."""
+    from .delta_publish import deltas_wanted
+
+    on, why = deltas_wanted(cfg.publish.delta, cfg.publish_dir)
+    if on:
+        return f"sparse deltas, a full anchor every {cfg.publish.delta_anchor_every} publishes ({why})"
+    return f"full directories ({why})"
+
+
 def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_figures: dict) -> dict:
     """What the run is, in one record: logged at start and kept in stage_result.json."""
     band = gate_figures.get("band")
@@ -291,6 +301,7 @@ def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_fig
             **gate_figures["topology"],
             "rollout": "spawned worker" if cfg.rollout.spawn else f"workers on {cfg.spool_dir}",
         },
+        "weight_sync": describe_weight_sync(cfg),
         "safety": f"grad clip {cfg.train.max_grad_norm}, canary every {cfg.canary.every or 'off'}, "
         f"tripwire {'armed' if cfg.tripwire.armed else 'off'} (window {cfg.tripwire.window}), "
         f"policy lag <= {cfg.rollout.max_policy_lag}",

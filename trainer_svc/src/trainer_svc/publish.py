@@ -24,7 +24,9 @@ Guarantees:
 - Directories are removed by renaming them to a hidden `.partial` name first, then deleting: a
   reader never sees a half-deleted step directory under its own name.
 - prune_published never removes one of the newest `keep_last`, nor a directory that a request
-  in the spool's `requests/` or `claimed/` names as `weights_dir` (same real path). A request
+  in the spool's `requests/` or `claimed/` names as `weights_dir` (same real path), nor a link
+  that the chain of one of those needs (a delta publish's links back to its anchor:
+  protocol.weights_chain.needed). A request
   file that cannot be parsed protects every directory whose name appears in its bytes; one that
   cannot be read at all (or a spool whose listing keeps changing under the scan) stops the prune.
   A request written while a prune runs is seen by a second scan, made once the candidates are
@@ -59,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from protocol import weights_chain
 from protocol.fsio import fsync_dir, fsync_tree, read_regular_file
 from protocol.weights_dir import (
     STEP_PREFIX,
@@ -191,18 +194,21 @@ def prune_published(publish_dir: Path, keep_last: int, spool_dir: Path | None) -
         raise ValueError(f"keep_last must be at least 1 (the newest weights are in use), not {keep_last}")
     publish_dir = Path(publish_dir)
     remove_stale_partials(publish_dir, STEP_PREFIX)
-    candidates = [p.path for p in list_published(publish_dir)[:-keep_last]]
+    listed = list_published(publish_dir)
+    chains = weights_chain.versions(publish_dir)  # a kept delta keeps the links back to its anchor
+    kept = {os.path.realpath(path) for path in weights_chain.needed([p.path for p in listed[-keep_last:]], chains)}
+    candidates = [p.path for p in listed[:-keep_last] if os.path.realpath(p.path) not in kept]
     if not candidates:
         return []
     if spool_dir is None:
         _delete(_set_aside(candidates))
         return candidates
-    candidates = _unnamed(candidates, Path(spool_dir))
+    candidates = _unnamed(candidates, Path(spool_dir), chains)
     # A request written between the scan and the removal (a producer naming older weights, a
     # worker about to load them) is seen by a second scan once the candidates are out of sight:
     # those it names are put back before anything is deleted.
     aside = _set_aside(candidates)
-    doomed = set(_unnamed(candidates, Path(spool_dir)))
+    doomed = set(_unnamed(candidates, Path(spool_dir), chains))
     for path, hidden in list(aside.items()):
         if path not in doomed:
             os.rename(hidden, path)
@@ -211,17 +217,16 @@ def prune_published(publish_dir: Path, keep_last: int, spool_dir: Path | None) -
     return list(aside)
 
 
-def _unnamed(candidates: list[Path], spool_dir: Path) -> list[Path]:
-    """Those of `candidates` that no request in the spool names (none when that cannot be known)."""
+def _unnamed(candidates: list[Path], spool_dir: Path, chains: dict[str, weights_chain.Version]) -> list[Path]:
+    """Those of `candidates` that no request in the spool names, nor needs as a link of the chain
+    of a delta it names (none when that cannot be known)."""
     named = _named_by_spool(spool_dir)
     if named is None:
         return []
     paths, raw = named
-    return [
-        path
-        for path in candidates
-        if os.path.realpath(path) not in paths and not any(path.name.encode() in text for text in raw)
-    ]
+    direct = [path for path in candidates if any(path.name.encode() in text for text in raw)]
+    protected = {os.path.realpath(path) for path in weights_chain.needed([*paths, *direct], chains)}
+    return [path for path in candidates if os.path.realpath(path) not in protected]
 
 
 def _step_dirs(publish_dir: Path) -> list[Path]:

@@ -6,7 +6,9 @@
         weights = sync.publish(model, step)  # every `publish.every` steps, and at the last one
 
 Each publish writes publish_dir/step_NNNNNNNN (HF layout in the serving dtype, manifest last,
-renamed into place: see publish and weights_writer) and names it in the next requests. Its cost
+renamed into place: see publish and weights_writer) and names it in the next requests; with
+`publish.delta` on (auto: over a network filesystem) a publish may be a sparse delta against the
+previous one (delta_publish), which the workers rebuild from its chain. Its cost
 is the weights' bytes, never the optimizer's: resume checkpoints are a separate, slower cadence.
 Old directories are pruned unless a pending or claimed request still names them.
 
@@ -21,11 +23,13 @@ from pathlib import Path
 
 import torch
 
+from protocol import weight_delta, weights_chain
 from protocol.weights_dir import MANIFEST
 
 from . import publish as published
 from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
+from .delta_publish import DeltaPublisher, deltas_wanted
 from .model import Distributed
 from .sampling import WeightsRef
 from .weights_writer import iter_full_tensors, serving_dtype
@@ -41,12 +45,15 @@ class WeightSync:
         self.dtype = {"auto": serving_dtype(dist_info.device), "float32": torch.float32, "bfloat16": torch.bfloat16}[
             cfg.publish.dtype
         ]
+        self.deltas_on, self.deltas_why = deltas_wanted(cfg.publish.delta, self.dir)
+        self.deltas = DeltaPublisher(cfg.publish.delta_anchor_every) if self.deltas_on else None
 
     def due(self, step: int) -> bool:
         return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
 
     def publish(self, model, step: int) -> WeightsRef:
-        record = published.publish(
+        write = self.deltas.publish if self.deltas is not None else published.publish
+        record = write(
             step,
             iter_full_tensors(model, self.dist),
             publish_dir=self.dir,
@@ -81,6 +88,16 @@ class WeightSync:
         ref = self.dist.from_rank0(ref)
         return ref if ref is not None else self.publish(model, step)
 
+    def _rebuildable(self, content_id: str) -> bool:
+        """Whether a worker holding nothing can load the published `content_id`: a full directory,
+        or a delta publish whose chain back to an anchor is all there."""
+        try:
+            weight_delta.plan(content_id, weights_chain.links(weights_chain.versions(self.dir)))
+        except weight_delta.MissingLink as exc:
+            log.warning("the published weights %s cannot be rebuilt (%s); not naming them", content_id, exc)
+            return False
+        return True
+
     def _resumed(self, step: int, named: WeightsRef | None, checkpoint: Path | None) -> WeightsRef | None:
         """Rank 0: the weights to name after a resume, or None to publish the restored ones."""
         if step == 0 or (named is not None and named.step is None):
@@ -88,14 +105,16 @@ class WeightSync:
         wanted = named.step if named is not None else step
         for found in published.list_published(self.dir):
             if found.step == wanted and (named is None or found.content_id == named.content_id):
-                return WeightsRef(str(found.path), found.content_id, found.step)
+                if self._rebuildable(found.content_id):
+                    return WeightsRef(str(found.path), found.content_id, found.step)
         if wanted == step:
             return None
         kept = checkpoint / ROLLOUT_WEIGHTS if checkpoint is not None else None
         if kept is not None and (kept / MANIFEST).exists():
             restored = published.restore_published(kept, self.dir)
             log.info("the weights of step %d were gone from %s: put back from %s", wanted, self.dir, kept)
-            return WeightsRef(str(restored.path), restored.content_id, restored.step)
+            if self._rebuildable(restored.content_id):
+                return WeightsRef(str(restored.path), restored.content_id, restored.step)
         log.warning(
             "the weights of step %d that the requests named are gone from %s and %s keeps no copy: publishing "
             "the checkpoint's own (step %d), newer than an uninterrupted run would sample from until its next publish",

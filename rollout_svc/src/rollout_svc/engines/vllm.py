@@ -1,7 +1,8 @@
 """The vLLM engine: one `LLM` in a process of its own, its weights reloaded in place when a request
 names others, asleep when the worker asks, rebuilt in a new process when nothing else works.
 
-Weight changes, cheapest path first:
+A delta publish (protocol.weights_chain) is rebuilt first into a directory of the worker's own
+(rollout_svc.delta_load), which then loads like any other. Weight changes, cheapest path first:
 - same directory and content id as loaded (and awake): nothing to do;
 - same architecture and tokenizer: reload in place (no new engine; the files read straight onto
   the device), reset the prefix cache, check that the engine's tensors equal the files'
@@ -32,6 +33,7 @@ from typing import NamedTuple
 from protocol.messages import ErrorCode, Request
 from protocol.weights_dir import weights_content_id
 
+from ..delta_load import DeltaLoader
 from ..errors import RequestFailed
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
@@ -99,6 +101,7 @@ class VllmEngine:
         self.name = f"vllm {_vllm_version()}"
         self.device = device
         self.policy = policy
+        self.deltas = DeltaLoader(policy)  # keeps the copy a chain of delta publishes is applied to
         self.sleep_level = sleep_level
         self.spec = EngineSpec(
             device=device,
@@ -177,7 +180,7 @@ class VllmEngine:
             return None
 
     def _load_once(self, weights_dir: str, expected_content_id: str | None) -> Load:
-        weights = self.policy.inspect(weights_dir)
+        weights = self.deltas.inspect(weights_dir)  # a delta publish: the weights rebuilt from its chain
         if expected_content_id is not None and weights.content_id != expected_content_id:
             raise RequestFailed(
                 ErrorCode.WEIGHTS_INVALID,
