@@ -34,7 +34,6 @@ the copies and writes, the others get None.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,13 +43,12 @@ import numpy as np
 import torch
 
 from protocol import weight_delta
-from protocol.fsio import fsync_dir
 from protocol.watch import filesystem_type, needs_polling
 from protocol.weights_chain import DELTA_FILE
 from protocol.weights_dir import MANIFEST, STEP_PREFIX, Manifest, encode_manifest, step_content_id
 
 from . import publish as published
-from .atomic_dir import move_into_place, remove_stale_partials, staging_dir
+from .atomic_dir import building, remove_stale_partials
 from .model import Distributed
 from .safetensors_stream import write_small
 from .weights_writer import COPIED_FILES, TensorStream, as_stream
@@ -224,9 +222,7 @@ class DeltaPublisher:
         if not (base_model / "config.json").is_file():
             raise FileNotFoundError(f"{base_model} has no config.json: name the base model directory to copy it from")
         dest = published.published_dir(publish_dir, step)
-        staging = staging_dir(dest)
-        staging.mkdir()
-        try:
+        with building(dest, files_synced=True) as staging:  # each file fsynced as written
             files = {DELTA_FILE: write_small(staging / DELTA_FILE, weight_delta.encode(delta))}
             for name in COPIED_FILES:
                 if (base_model / name).is_file():
@@ -246,11 +242,6 @@ class DeltaPublisher:
                 delta_base=delta.base_id,
             )
             write_small(staging / MANIFEST, encode_manifest(manifest))
-            fsync_dir(staging)
-            move_into_place(staging, dest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         return published.Published(dest, step, content_id, total, time.monotonic() - write_started)
 
 
