@@ -239,6 +239,13 @@ class PublishConfig(Struct):
     dir: str = ""  # where they go; default <run.dir>/weights. A tmpfs or local NVMe root is fastest
     keep_last: Positive = 3  # newest kept; older ones too while a pending or claimed request names them
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # serving dtype; auto: bfloat16 on GPU, else the model's
+    # The same-host fast path: a ring of shared-memory slots the worker copies straight into its
+    # engine (slot_publish.py). auto: on where the worker is spawned on this host and slots_dir has room.
+    slots: Literal["auto", "on", "off"] = "auto"
+    slots_dir: str = "/dev/shm"  # a tmpfs the trainer and its workers share; the ring is <slots_dir>/<run>-<hash>
+    slots_count: Annotated[int, msgspec.Meta(ge=2)] = 2  # slots in the ring, each the weights' size in memory
+    slots_wait_s: NonNegativeFloat = 10.0  # wait for a free slot this long, then publish a directory instead
+    dir_every: NonNegative = 0  # with slots: also a directory (the portable form) every N steps; 0: the last step only
 
 
 class CheckpointConfig(Struct):
@@ -362,7 +369,9 @@ def _resolve_paths(config: Config) -> Config:
             config.data, path=resolve(config.data.path), band_file=resolve(config.data.band_file)
         ),
         band=msgspec.structs.replace(config.band, out=resolve(config.band.out)),
-        publish=msgspec.structs.replace(config.publish, dir=resolve(config.publish.dir)),
+        publish=msgspec.structs.replace(
+            config.publish, dir=resolve(config.publish.dir), slots_dir=resolve(config.publish.slots_dir)
+        ),
         rollout=msgspec.structs.replace(
             config.rollout, spool=resolve(config.rollout.spool), rollout_venv=resolve(config.rollout.rollout_venv)
         ),

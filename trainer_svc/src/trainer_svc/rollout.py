@@ -58,6 +58,7 @@ from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
 from protocol.rows import is_conversation
 from protocol.spool import Spool, id_from_name, split_claimed_name
+from protocol.weight_slots import ring_dir
 
 from .config import Config
 from .gates import rollout_gpu
@@ -129,6 +130,7 @@ class RolloutService:
     def _spawn(self) -> subprocess.Popen:
         cfg = self.cfg
         executable = Path(cfg.rollout.rollout_venv) / "bin" / "rollout-svc"
+        slotted = cfg.publish.slots != "off"  # its weights may come from the run's slot ring
         if not executable.exists():
             raise RolloutUnavailable(
                 f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
@@ -148,6 +150,11 @@ class RolloutService:
             str(Path(cfg.model.path).parent),
             "--allowed-root",
             str(cfg.publish_dir),
+            *(
+                ["--allowed-root", str(ring_dir(cfg.publish.slots_dir, cfg.run_dir))]
+                if cfg.publish.slots != "off"
+                else []
+            ),
             "--idle-exit",
             str(WORKER_IDLE_EXIT_S),
             *cfg.rollout.worker_args,

@@ -6,7 +6,11 @@
         weights = sync.publish(model, step)  # every `publish.every` steps, and at the last one
 
 Each publish writes publish_dir/step_NNNNNNNN (HF layout in the serving dtype, manifest last,
-renamed into place: see publish and weights_writer) and names it in the next requests. Its cost
+renamed into place: see publish and weights_writer) and names it in the next requests. Where the
+worker shares this host (`publish.slots`), a publish goes into a ring of shared-memory slots
+instead (slot_publish), which the requests name the same way; a directory is still written every
+`publish.dir_every` steps and at the last one (the portable form), and whenever no slot is free
+within `publish.slots_wait_s`. Its cost
 is the weights' bytes, never the optimizer's: resume checkpoints are a separate, slower cadence.
 Old directories are pruned unless a pending or claimed request still names them.
 
@@ -28,6 +32,7 @@ from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .model import Distributed
 from .sampling import WeightsRef
+from .slot_publish import SlotRing, publish_slot, slots_choice
 from .weights_writer import iter_full_tensors, serving_dtype
 
 log = logging.getLogger(__name__)
@@ -42,10 +47,34 @@ class WeightSync:
             cfg.publish.dtype
         ]
 
+        # The slot ring, on rank 0 (None: directories only); `path` says which, for the banner.
+        ring, self.path = dist_info.from_rank0(slots_choice(cfg) if dist_info.is_main else None)
+        self.slots = SlotRing.for_run(cfg, ring) if ring is not None and dist_info.is_main else None
+        self.slotted = ring is not None
+
     def due(self, step: int) -> bool:
         return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
 
     def publish(self, model, step: int) -> WeightsRef:
+        if not self.slotted:
+            return self.publish_dir(model, step)
+        every = self.cfg.publish.dir_every
+        if (every and step % every == 0) or step == self.cfg.train.steps:
+            self.publish_dir(model, step)  # the portable form, for eval jobs, other hosts and people
+        slot = self.dist.from_rank0(self.slots.choose() if self.dist.is_main else None)
+        if slot is None:
+            log.warning(
+                "no weight slot was free within publish.slots_wait_s = %s s (readers or pending requests hold "
+                "them all): publishing step %d as a directory instead",
+                self.cfg.publish.slots_wait_s,
+                step,
+            )
+            return self.publish_dir(model, step)
+        written = publish_slot(self.slots, slot, step, model, self.dist, self.dtype, self.cfg)
+        ref = WeightsRef(str(written.path), written.content_id, written.step) if written is not None else None
+        return self.dist.from_rank0(ref)
+
+    def publish_dir(self, model, step: int) -> WeightsRef:
         record = published.publish(
             step,
             iter_full_tensors(model, self.dist),
@@ -74,6 +103,8 @@ class WeightSync:
         they came from steps this run will take again."""
         ref = None
         if self.dist.is_main:
+            if self.slots is not None:
+                self.slots.discard_newer_than(step)
             discarded = published.discard_newer_than(self.dir, step)
             if discarded:
                 log.info("discarded %d published weights newer than step %d", len(discarded), step)
@@ -86,6 +117,13 @@ class WeightSync:
         if step == 0 or (named is not None and named.step is None):
             return WeightsRef(self.cfg.model.path)  # nothing published yet: the starting model
         wanted = named.step if named is not None else step
+        if named is not None and self.slots is not None and self.slots.holds(named):
+            kept = checkpoint / ROLLOUT_WEIGHTS if checkpoint is not None else None
+            found = self.slots.resumed(named.dir, named.content_id, None if wanted == step else kept)
+            if found is not None:
+                return WeightsRef(str(found.path), found.content_id, found.step)
+            if wanted == step:
+                return None  # the checkpoint's own weights: published again
         for found in published.list_published(self.dir):
             if found.step == wanted and (named is None or found.content_id == named.content_id):
                 return WeightsRef(str(found.path), found.content_id, found.step)
