@@ -130,7 +130,6 @@ class RolloutService:
     def _spawn(self) -> subprocess.Popen:
         cfg = self.cfg
         executable = Path(cfg.rollout.rollout_venv) / "bin" / "rollout-svc"
-        slotted = cfg.publish.slots != "off"  # its weights may come from the run's slot ring
         if not executable.exists():
             raise RolloutUnavailable(
                 f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
