@@ -183,8 +183,12 @@ def read_slot_manifest(directory: str | os.PathLike) -> SlotManifest:
 
 
 def encode_slot_manifest(manifest: SlotManifest) -> bytes:
-    """json.dumps(indent=1): a person reads it with cat."""
-    return json.dumps(msgspec.to_builtins(manifest), indent=1).encode()
+    """JSON a person reads with cat: a field a line, a tensor a line."""
+    fields = msgspec.to_builtins(manifest)
+    tensors = fields.pop("tensors")
+    head = json.dumps(fields, indent=1)[:-2]  # without the closing "\n}"
+    rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in tensors.items())
+    return f'{head},\n "tensors": {{\n{rows}\n }}\n}}\n'.encode()
 
 
 def aligned(n: int) -> int:

@@ -5,6 +5,9 @@ model.safetensors.index.json when sharded) and tokenizer files. Only safetensors
 pickle-based formats (.bin, .pt) are refused, never opened.
 
 Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data.
+A weight slot (protocol.weight_slots: a flat tensors file and its manifest, with the config and
+tokenizer beside them) is inspected the same way and carries its manifest (`Weights.slot`);
+slot_load.py loads it.
 Every refusal is a RequestFailed whose message starts with the request's `weights_dir`.
 """
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.messages import ErrorCode
+from protocol.weight_slots import SlotManifest, is_slot
 from protocol.weights_dir import weights_content_id
 
 from .errors import RequestFailed
@@ -48,7 +52,8 @@ class Weights:
     content_id: str
     config: dict
     shards: tuple[str, ...]  # safetensors file names
-    size_bytes: int  # the shards' total size: what loading these weights reads
+    size_bytes: int  # the shards' total size (a slot's: its tensors' bytes): what loading these weights reads
+    slot: SlotManifest | None = None  # a weight slot's manifest, as inspected; None: a weights directory
 
     @property
     def architecture(self) -> dict:
@@ -106,6 +111,11 @@ class WeightsPolicy:
             )
         self.check_files_allowed(real, weights_dir)
         config = _read_config(real, weights_dir)
+        if is_slot(real):
+            from .slot_load import slot_manifest
+
+            manifest = slot_manifest(real, weights_dir)
+            return Weights(weights_dir, real, manifest.content_id, config, (), manifest.bytes, manifest)
         shards = _shards(real, weights_dir)
         size_bytes = sum(_check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
         return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards), size_bytes)

@@ -62,3 +62,40 @@ class WeightProbe:
             self.reload_weights(weights_iterator=tensors())
         else:
             self.model_runner.model.load_weights(tensors())
+
+    def load_slot(self, directory: str, manifest_json: bytes, post_process: bool) -> dict:
+        """Load the weight slot `directory` (its manifest's bytes, as read under the reader's lease)
+        into the model in place: its tensors.bin, mapped here and kept mapped (pinned on a GPU),
+        copied to the model's device in one copy, checked there against the manifest's checksum,
+        then handed to the model's weight loading as views of that copy (slot_load). No file is
+        parsed; `post_process` as for load_files. Returns the seconds of each part."""
+        import time
+
+        import torch
+
+        from protocol.weight_slots import decode_slot_manifest
+
+        from .. import slot_load
+
+        started = time.perf_counter()
+        manifest = decode_slot_manifest(manifest_json, directory)
+        device = next(self.model_runner.model.parameters()).device
+        cache = self.__dict__.setdefault("_mapped_slots", {})
+        slot = slot_load.mapped(cache, directory, pin=device.type == "cuda")
+        mapped = time.perf_counter()
+        data = slot_load.copy_to_device(slot, manifest, device)
+        slot_load.check(data, manifest, directory)  # on the device: waits for the copy
+        checked = time.perf_counter()
+        if post_process:
+            self.reload_weights(weights_iterator=slot_load.tensors(data, manifest))
+        else:
+            self.model_runner.model.load_weights(slot_load.tensors(data, manifest))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        del data
+        return {
+            "map_s": mapped - started,
+            "copy_and_check_s": checked - mapped,
+            "load_s": time.perf_counter() - checked,
+            "pinned": slot.pinned,
+        }

@@ -1,0 +1,198 @@
+"""Loading a weight slot (protocol.weight_slots) into the engine: the worker's side of the same-host
+fast path.
+
+    weights = policy.inspect(slot_dir)            # a Weights with .slot, the manifest (weights.py)
+    with slot_lease(weights, reader_id):          # in the worker process, around the engine's load
+        engine process: load_slot(...)            # vllm_extension: copy to the device, check, load
+
+In the engine's own process (vllm_extension.WeightProbe.load_slot) the slot's tensors.bin is mapped
+(kept mapped between loads; on a GPU registered with cudaHostRegister once, so each later copy runs
+at the bus's speed), copied to the model's device in one copy, its checksum taken there from the
+copy (an int32 sum on the device, never a read of each tensor back), and the tensors, views of that
+copy, handed to the model's own weight loading. No safetensors file is read.
+
+Guarantees:
+- The lease is taken before the manifest is read again and held until the engine's load returns,
+  so the trainer never rewrites the slot under the copy (protocol.weight_slots: the writer removes
+  the manifest, then waits for leases). A manifest that changed or went between the inspection
+  and the lease is `SlotChanged`: the caller loads again, as for a directory replaced under a load.
+- A copy whose sum differs from the manifest's checksum is refused (SlotChecksumMismatch): nothing
+  is loaded into the engine from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import warnings
+from collections.abc import Iterator
+
+from protocol.messages import ErrorCode
+from protocol.weight_slots import (
+    CHUNK_BYTES,
+    SLOT_DATA,
+    SlotError,
+    SlotManifest,
+    combine_sums,
+    read_slot_manifest,
+    reading,
+)
+
+from .errors import RequestFailed
+
+log = logging.getLogger(__name__)
+
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the mapping is read-only
+
+
+class SlotChanged(RuntimeError):
+    """The slot was retired or rewritten between its inspection and the reader's lease."""
+
+
+class SlotChecksumMismatch(RuntimeError):
+    """A slot's bytes do not sum to its manifest's checksum."""
+
+
+def slot_manifest(real: str, shown: str) -> SlotManifest:
+    """The manifest of the slot `real`; a refusal naming `shown` when it has none or a bad one."""
+    try:
+        return read_slot_manifest(real)
+    except FileNotFoundError:
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_NOT_FOUND,
+            f"weights_dir {shown} is a weight slot without complete weights now (being written, or retired): "
+            "name the newest published weights",
+        ) from None
+    except (OSError, SlotError) as exc:
+        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: {exc}") from None
+
+
+@contextlib.contextmanager
+def slot_lease(real: str, content_id: str, reader: str) -> Iterator[None]:
+    """Hold a reader's lease on the slot `real` for the body, once its manifest still names
+    `content_id` under the lease (SlotChanged otherwise)."""
+    with reading(real, reader):
+        try:
+            now = read_slot_manifest(real).content_id
+        except (OSError, SlotError):
+            now = None
+        if now != content_id:
+            raise SlotChanged(f"{real} holds {now or 'nothing complete'} now, not {content_id}")
+        yield
+
+
+class MappedSlot:
+    """A slot's tensors.bin mapped shared into this process, as a uint8 tensor (`view`)."""
+
+    def __init__(self, directory: str, pin: bool):
+        import torch
+
+        path = os.path.join(directory, SLOT_DATA)
+        self.pinned = False
+        writable = False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            self.identity = (st.st_ino, st.st_size)
+            self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is read-only: it is, by design
+            self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
+        if pin and torch.cuda.is_available():
+            self.pinned = self._register(CUDA_HOST_REGISTER_READ_ONLY)
+            if not self.pinned and os.access(path, os.W_OK):
+                # Where read-only registration is not supported, a writable mapping can be registered;
+                # it is only ever read here.
+                writable = True
+                del self.view
+                self.mm.close()
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+                self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
+                self.pinned = self._register(0)
+            if not self.pinned:
+                log.warning(
+                    "%s could not be pinned (cudaHostRegister failed%s): its copies to the GPU run unpinned, "
+                    "slower; raise the memlock limit (ulimit -l, systemd LimitMEMLOCK)",
+                    path,
+                    "" if writable else ", and the file is not writable for a second try",
+                )
+
+    def _register(self, flags: int) -> bool:
+        import torch
+
+        return int(torch.cuda.cudart().cudaHostRegister(self.view.data_ptr(), self.view.numel(), flags)) == 0
+
+    def still(self, directory: str) -> bool:
+        """Whether the file mapped is still the slot's tensors.bin, of the same size."""
+        try:
+            st = os.stat(os.path.join(directory, SLOT_DATA))
+        except FileNotFoundError:
+            return False
+        return (st.st_ino, st.st_size) == self.identity
+
+    def close(self) -> None:
+        import torch
+
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+        del self.view
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+def mapped(cache: dict, directory: str, pin: bool) -> MappedSlot:
+    """The mapping of `directory`'s tensors.bin from `cache`, made again when the file changed."""
+    known = cache.get(directory)
+    if known is not None and known.still(directory):
+        return known
+    if known is not None:
+        known.close()
+    cache[directory] = MappedSlot(directory, pin)
+    return cache[directory]
+
+
+def copy_to_device(slot: MappedSlot, manifest: SlotManifest, device):
+    """The slot's bytes as a uint8 tensor on `device`: one copy (from pinned memory on a GPU)."""
+    import torch
+
+    if manifest.bytes > slot.view.numel():
+        raise SlotChecksumMismatch(f"the slot holds {slot.view.numel()} bytes, its manifest names {manifest.bytes}")
+    copy = torch.empty(manifest.bytes, dtype=torch.uint8, device=device)
+    copy.copy_(slot.view[: manifest.bytes], non_blocking=slot.pinned)
+    return copy
+
+
+def checksum(data) -> str:
+    """protocol.weight_slots' checksum of a uint8 tensor (a multiple of 4 bytes), summed where it lies."""
+    import torch
+
+    words = data.view(torch.int32)
+    step = CHUNK_BYTES // 4
+    parts = [words[i : i + step].sum(dtype=torch.int64) for i in range(0, words.numel(), step)]
+    return combine_sums(torch.stack(parts).tolist() if parts else [])
+
+
+def check(data, manifest: SlotManifest, where: str) -> None:
+    got = checksum(data)
+    if got != manifest.checksum:
+        raise SlotChecksumMismatch(
+            f"{where}: the copy sums to {got}, the manifest says {manifest.checksum}; the slot was changed under "
+            "its reader or written wrongly"
+        )
+
+
+def tensors(data, manifest: SlotManifest) -> Iterator[tuple[str, object]]:
+    """(name, tensor) for every tensor of the slot, as views of `data` (its bytes on some device)."""
+    import torch
+
+    for name, entry in manifest.tensors.items():
+        dtype = getattr(torch, entry.dtype)
+        yield name, data[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
