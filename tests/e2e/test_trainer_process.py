@@ -277,7 +277,8 @@ def test_a_really_full_disk_stops_the_run_with_74_and_the_relaunch_takes_every_s
     base = setting["base"]
     with small_tmpfs(base / "disk-5mb", 5 * 2**20) as disk:
         run_dir = disk.path / "run"
-        spawned = {"rollout": {**SPAWNED, "spool": base / "full-spool"}}
+        # Weights directories: the disk they fill is what this test is about.
+        spawned = {"rollout": {**SPAWNED, "spool": base / "full-spool"}, "publish": {"slots": "off"}}
         config = write_config(base / "full-5mb.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
         proc = launch(config)
         assert proc.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(proc)
