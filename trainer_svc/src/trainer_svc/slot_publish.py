@@ -131,8 +131,11 @@ class SlotRing:
         self.ring = Path(ring)
         self.count = count
         self.wait_s = wait_s
-        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
-        self.judge = LeaseJudge(Spool(spool_dir) if spool_dir is not None else None)
+        # The spool whose requests may name the slots and whose heartbeats keep readers' leases
+        # (None, or not a spool yet: leases are judged by their processes and ages alone).
+        is_spool = spool_dir is not None and (Path(spool_dir) / "requests").is_dir()
+        self.spool_dir = Path(spool_dir) if is_spool else None
+        self.judge = LeaseJudge(Spool(spool_dir) if is_spool else None)
         self._maps: dict[Path, _Mapping] = {}
         self.ring.mkdir(parents=True, exist_ok=True)
         for index in range(count):
