@@ -104,12 +104,24 @@ def publish_slot(
     """Every rank: the model's weights into `slot` (rank 0 writes; under FSDP2 the others take part
     in each gather). Returns the record on rank 0, None elsewhere."""
     stream = iter_full_tensors(model, dist_info)
-    if not dist_info.is_main:
-        for _ in stream:  # the gathers rank 0 makes
+    source = stream.fetch([spec.name for spec in stream.specs])  # the order a slot's layout takes them in
+    error, written = None, None
+    if dist_info.is_main:
+        content_id = step_content_id(cfg.run_dir.name, step)
+        try:
+            written = ring.write(slot, step, content_id, TensorStream(stream.specs, lambda _: source), dtype,
+                                 Path(cfg.model.path))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks are told
+            error = exc
+    if stream.collective:
+        for _ in source:  # the gathers rank 0 did not reach (all of them on other ranks)
             pass
-        return None
-    content_id = step_content_id(cfg.run_dir.name, step)
-    return ring.write(slot, step, content_id, stream, dtype, Path(cfg.model.path))
+        outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+        if not dist_info.is_main and outcome is not None:
+            raise RuntimeError(f"rank 0 could not write the weight slot {slot}: {outcome}")
+    if error is not None:
+        raise error
+    return written
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class WeightSync:
         if step == 0 or (named is not None and named.step is None):
             return WeightsRef(self.cfg.model.path)  # nothing published yet: the starting model
         wanted = named.step if named is not None else step
-        if named is not None and self.slots is not None and self.slots.holds(named):
+        if named is not None and self.slots is not None and self.slots.holds(named.dir):
             kept = checkpoint / ROLLOUT_WEIGHTS if checkpoint is not None else None
             found = self.slots.resumed(named.dir, named.content_id, None if wanted == step else kept)
             if found is not None:
