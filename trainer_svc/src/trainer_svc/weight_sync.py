@@ -10,9 +10,9 @@ renamed into place: see publish and weights_writer) and names it in the next req
 worker shares this host (`publish.slots`), a publish goes into a ring of shared-memory slots
 instead (slot_publish), which the requests name the same way; a directory is still written every
 `publish.dir_every` steps and at the last one (the portable form), and whenever no slot is free
-within `publish.slots_wait_s`. Its cost
-is the weights' bytes, never the optimizer's: resume checkpoints are a separate, slower cadence.
-Old directories are pruned unless a pending or claimed request still names them.
+within `publish.slots_wait_s`. Its cost is the weights' bytes, never the optimizer's: resume
+checkpoints are a separate, slower cadence. Old directories are pruned unless a pending or
+claimed request still names them; slots are rewritten in turn (slot_publish says when).
 
 Every rank calls these (under FSDP2 the parameters are gathered one at a time for rank 0 to
 write) and gets the same WeightsRef back.
