@@ -77,6 +77,7 @@ def slots_choice(cfg: Config) -> tuple[Path | None, str]:
         )
     need = cfg.publish.slots_count * _weights_bytes(Path(cfg.model.path))
     free = shutil.disk_usage(root).free if root.is_dir() else 0
+    free += sum(p.stat().st_size for p in ring_dir(root, cfg.run_dir).glob(f"*/{SLOT_DATA}"))  # a relaunch's own
     if free < need:
         why = f"{root} has {free / 2**20:.0f} MiB free, the ring needs about {need / 2**20:.0f} MiB"
         if mode == "on":
