@@ -30,6 +30,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import report  # noqa: E402
 
+try:  # the trainer's writer needs crc32c, which only the trainer's venv holds: borrow that one module
+    import crc32c  # noqa: F401
+except ImportError:
+    sys.path.extend(str(p) for p in (ROOT / ".venvs" / "trainer" / "lib").glob("python3*/site-packages"))
+    import crc32c  # noqa: F401
+
 SHAPES = {"tiny": dict(hidden=128, layers=2), "mid": dict(hidden=768, layers=12)}
 
 

@@ -12,6 +12,7 @@ from conftest import make_config
 from local_sampler import TorchSampler
 
 from protocol import exit_codes
+from protocol.weight_slots import ring_dir
 from trainer_svc.loop import train
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
@@ -126,7 +127,8 @@ def first_samplings(samplers: list) -> list[tuple[int, str]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "ahead, lose_published, slots", [(0, False, False), (1, False, False), (0, True, False), (1, False, True)]
+    "ahead, lose_published, slots",
+    [(0, False, False), (1, False, False), (0, True, False), (1, False, True), (0, True, True)],
 )
 def test_a_stop_between_two_publishes_resumes_from_the_weights_the_rollouts_used(
     warm_model, tmp_path, ahead, lose_published, slots
@@ -152,10 +154,12 @@ def test_a_stop_between_two_publishes_resumes_from_the_weights_the_rollouts_used
         codes.append(run(interrupted, samplers))
         if lose_published:
             shutil.rmtree(interrupted.run_dir / "weights", ignore_errors=True)
+            shutil.rmtree(ring_dir(tmp_path / "shm", interrupted.run_dir), ignore_errors=True)  # a reboot
     assert codes == [exit_codes.RESUMABLE_STOP] * 4 + [exit_codes.OK]
 
     def named(found, run_dir):
-        return sorted({(step, d.replace(str(run_dir), "RUN")) for step, d in found})
+        ring = str(ring_dir(tmp_path / "shm", run_dir))
+        return sorted({(step, d.replace(ring, "RING").replace(str(run_dir), "RUN")) for step, d in found})
 
     # each step sampled from the same weights as in the uninterrupted run (and no more were published)
     assert named(first_samplings(samplers), interrupted.run_dir) == named(
@@ -164,6 +168,7 @@ def test_a_stop_between_two_publishes_resumes_from_the_weights_the_rollouts_used
     assert lose_published or sorted(p.name for p in (interrupted.run_dir / "weights").iterdir()) == (
         ["step_00000005"] if slots else ["step_00000002", "step_00000004", "step_00000005"]
     )
-    if slots:  # the steps sampled from slots of the ring, but the first (the starting model)
-        assert all("/slot_" in d for step, d in first_samplings(samplers) if step > 0)
+    if slots:  # the steps sampled from slots of the ring, once they stopped sampling the starting model
+        sampled = {d for _, d in first_samplings(samplers)} - {str(warm_model)}
+        assert sampled and all("/slot_" in d for d in sampled), sampled
     assert step_rows(interrupted.run_dir) == expected

@@ -51,6 +51,7 @@ class WeightSync:
         ring, self.path = dist_info.from_rank0(slots_choice(cfg) if dist_info.is_main else None)
         self.slots = SlotRing.for_run(cfg, ring) if ring is not None and dist_info.is_main else None
         self.slotted = ring is not None
+        self.republish_into: Path | None = None  # after a resume: the slot the requests named
 
     def due(self, step: int) -> bool:
         return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
@@ -61,7 +62,8 @@ class WeightSync:
         every = self.cfg.publish.dir_every
         if (every and step % every == 0) or step == self.cfg.train.steps:
             self.publish_dir(model, step)  # the portable form, for eval jobs, other hosts and people
-        slot = self.dist.from_rank0(self.slots.choose() if self.dist.is_main else None)
+        wanted, self.republish_into = self.republish_into, None
+        slot = self.dist.from_rank0(self.slots.choose(wanted) if self.dist.is_main else None)
         if slot is None:
             log.warning(
                 "no weight slot was free within publish.slots_wait_s = %s s (readers or pending requests hold "
@@ -123,7 +125,8 @@ class WeightSync:
             if found is not None:
                 return WeightsRef(str(found.path), found.content_id, found.step)
             if wanted == step:
-                return None  # the checkpoint's own weights: published again
+                self.republish_into = Path(named.dir)  # the checkpoint's own weights, where they were named
+                return None
         for found in published.list_published(self.dir):
             if found.step == wanted and (named is None or found.content_id == named.content_id):
                 return WeightsRef(str(found.path), found.content_id, found.step)
