@@ -19,7 +19,7 @@ for path in (TESTS, TESTS.parent / "trainer_svc" / "src"):
     if str(path) not in sys.path:
         sys.path.append(str(path))
 
-from protocol.weight_slots import SLOT_DATA, combine_sums, int32_sum, read_slot_manifest  # noqa: E402
+from protocol.weight_slots import SLOT_DATA, combine_sums, read_slot_manifest, word_sum  # noqa: E402
 from rollout_svc import slot_load  # noqa: E402
 from trainer_svc.slot_publish import SlotRing  # noqa: E402
 from trainer_svc.weights_writer import as_stream  # noqa: E402
@@ -49,7 +49,7 @@ def test_the_writer_pins_its_slot_and_fills_it_from_the_device(tmp_path):
     assert ring._maps[slot].pinned, "cudaHostRegister failed: is the memlock limit too low?"
     manifest = read_slot_manifest(slot)
     data = (slot / SLOT_DATA).read_bytes()[: manifest.bytes]
-    assert combine_sums([int32_sum(data)]) == manifest.checksum  # the device's sums are the bytes'
+    assert combine_sums([word_sum(data)]) == manifest.checksum  # the device's sums are the bytes'
     for name, entry in manifest.tensors.items():
         got = torch.frombuffer(bytearray(data[entry.offset : entry.offset + entry.nbytes]), dtype=torch.bfloat16)
         assert torch.equal(got.view(entry.shape), source[name].to(torch.bfloat16).cpu()), name

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from protocol.weight_slots import SLOT_DATA, combine_sums, int32_sum, is_slot, read_slot_manifest
+from protocol.weight_slots import SLOT_DATA, combine_sums, is_slot, read_slot_manifest, word_sum
 from trainer_svc.rollout_types import Group, Sample, Ticket
 
 
@@ -25,7 +25,7 @@ def _from_slot(slot: str, content_id: str | None):
     if content_id is not None and manifest.content_id != content_id:
         raise RuntimeError(f"{slot} holds {manifest.content_id}, the request names {content_id}")
     data = (Path(slot) / SLOT_DATA).read_bytes()[: manifest.bytes]
-    assert combine_sums([int32_sum(data)]) == manifest.checksum, slot
+    assert combine_sums([word_sum(data)]) == manifest.checksum, slot
     state = {
         name: torch.frombuffer(bytearray(data[e.offset : e.offset + e.nbytes]), dtype=getattr(torch, e.dtype))
         .view(e.shape)

@@ -24,10 +24,10 @@ from protocol.weight_slots import (  # noqa: E402
     SLOT_DATA,
     SLOT_MANIFEST,
     combine_sums,
-    int32_sum,
     leases,
     read_slot_manifest,
     reading,
+    word_sum,
 )
 from trainer_svc.slot_publish import SlotRing  # noqa: E402
 from trainer_svc.weights_writer import TensorSpec, TensorStream, as_stream  # noqa: E402
@@ -61,7 +61,7 @@ def read_back(slot: Path) -> dict[str, torch.Tensor]:
     """The slot's tensors, as a reader outside the trainer reads them: the manifest, then the bytes."""
     manifest = read_slot_manifest(slot)
     data = (slot / SLOT_DATA).read_bytes()[: manifest.bytes]
-    assert combine_sums([int32_sum(data)]) == manifest.checksum
+    assert combine_sums([word_sum(data)]) == manifest.checksum
     out = {}
     for name, entry in manifest.tensors.items():
         raw = bytearray(data[entry.offset : entry.offset + entry.nbytes])
@@ -103,7 +103,7 @@ def test_a_slot_is_reused_only_after_its_reader_lets_go(base, tmp_path):
         assert ring.choose() is None  # the newest is never taken, the other is read
         assert not (old / SLOT_MANIFEST).exists()  # retired: no new reader starts on it
         data = (old / SLOT_DATA).read_bytes()[: before.bytes]
-        assert combine_sums([int32_sum(data)]) == before.checksum  # the reader's bytes are untouched
+        assert combine_sums([word_sum(data)]) == before.checksum  # the reader's bytes are untouched
     assert ring.choose() == old
 
 
@@ -195,7 +195,7 @@ def _read_loop(ring: str, report: str, seconds: str) -> None:
                     continue  # retired or being written: not readable, by design
                 data = (slot / SLOT_DATA).read_bytes()[: manifest.bytes]
                 checked += 1
-                torn += combine_sums([int32_sum(data)]) != manifest.checksum
+                torn += combine_sums([word_sum(data)]) != manifest.checksum
                 steps.add(manifest.step)
     Path(report).write_text(json.dumps({"checked": checked, "torn": torn, "steps": sorted(steps)}))
 

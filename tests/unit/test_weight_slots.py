@@ -22,11 +22,11 @@ from protocol.weight_slots import (
     combine_sums,
     decode_slot_manifest,
     encode_slot_manifest,
-    int32_sum,
     leases,
     plan_layout,
     read_slot_manifest,
     reading,
+    word_sum,
 )
 
 
@@ -80,16 +80,25 @@ def test_a_slot_without_a_manifest_is_not_found(tmp_path):
         read_slot_manifest(tmp_path)
 
 
-def test_the_checksum_is_the_int32_sum_modulo_2_to_the_64():
+def test_the_checksum_is_the_sum_of_64_bit_words_modulo_2_to_the_64():
     rng = np.random.default_rng(0)
-    words = rng.integers(-(2**31), 2**31, size=4096, dtype=np.int64).astype("<i4")
-    data = words.tobytes()
-    assert int32_sum(data) == int(words.astype(np.int64).sum())
-    assert combine_sums([int32_sum(data[:1024]), int32_sum(data[1024:])]) == combine_sums([int32_sum(data)])
-    assert combine_sums([-1]) == "f" * 16  # modulo 2**64, as unsigned hex
+    words = rng.integers(0, 2**64, size=4096, dtype=np.uint64)  # their sum wraps many times
+    data = words.astype("<u8").tobytes()
+    assert word_sum(data) == sum(int(w) for w in words) % 2**64
+    assert combine_sums([word_sum(data[:1024]), word_sum(data[1024:])]) == combine_sums([word_sum(data)])
+    assert combine_sums([-1]) == "f" * 16  # an int64 sum's negative value counts modulo 2**64
     changed = bytearray(data)
     changed[5] ^= 1
-    assert int32_sum(bytes(changed)) != int32_sum(data)
+    assert word_sum(bytes(changed)) != word_sum(data)
+
+
+def test_torchs_int64_sum_wraps_as_the_definition_does():
+    """Readers and the writer sum with torch (on their device): its int64 sum must wrap."""
+    import torch
+
+    data = np.random.default_rng(1).integers(0, 256, size=2**20, dtype=np.uint8).tobytes()
+    on_torch = int(torch.frombuffer(bytearray(data), dtype=torch.int64).sum())
+    assert combine_sums([on_torch]) == combine_sums([word_sum(data)])
 
 
 def status(worker_id: str, lease_s: float = 3.0) -> WorkerStatus:

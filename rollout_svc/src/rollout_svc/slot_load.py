@@ -8,7 +8,7 @@ fast path.
 In the engine's own process (vllm_extension.WeightProbe.load_slot) the slot's tensors.bin is mapped
 (kept mapped between loads; on a GPU registered with cudaHostRegister once, so each later copy runs
 at the bus's speed), copied to the model's device in one copy, its checksum taken there from the
-copy (an int32 sum on the device, never a read of each tensor back), and the tensors, views of that
+copy (a sum of its 64-bit words on the device, never a read of each tensor back), and the tensors, views of that
 copy, handed to the model's own weight loading. No safetensors file is read.
 
 Guarantees:
@@ -31,7 +31,6 @@ from collections.abc import Iterator
 
 from protocol.messages import ErrorCode
 from protocol.weight_slots import (
-    CHUNK_BYTES,
     SLOT_DATA,
     SlotError,
     SlotManifest,
@@ -171,13 +170,11 @@ def copy_to_device(slot: MappedSlot, manifest: SlotManifest, device):
 
 
 def checksum(data) -> str:
-    """protocol.weight_slots' checksum of a uint8 tensor (a multiple of 4 bytes), summed where it lies."""
+    """protocol.weight_slots' checksum of a uint8 tensor (a multiple of 8 bytes), summed where it
+    lies (torch's int64 sum wraps modulo 2**64, as the definition does)."""
     import torch
 
-    words = data.view(torch.int32)
-    step = CHUNK_BYTES // 4
-    parts = [words[i : i + step].sum(dtype=torch.int64) for i in range(0, words.numel(), step)]
-    return combine_sums(torch.stack(parts).tolist() if parts else [])
+    return combine_sums([int(data.view(torch.int64).sum())])
 
 
 def check(data, manifest: SlotManifest, where: str) -> None:

@@ -7,7 +7,7 @@ worker share a host (protocol.weight_slots defines a slot; this module writes th
 
 Per publish the tensors go from the trainer's device into the slot's mapping of tensors.bin (on a
 GPU one device-to-host copy per tensor into memory pinned once with cudaHostRegister; on a CPU a
-memcpy), with their int32 sums taken on the device as they go. No file is written tensor by
+memcpy), with the sums of their 64-bit words taken on the device as they go. No file is written tensor by
 tensor, nothing is fsynced: a slot lives in memory, and a reboot ends the run's host anyway.
 
 Guarantees (protocol.weight_slots states the slot's; these are the writer's):
@@ -39,7 +39,6 @@ from protocol import fsio
 from protocol.spool import Spool
 from protocol.weight_slots import (
     ALIGNMENT,
-    CHUNK_BYTES,
     SLOT_DATA,
     SLOT_MANIFEST,
     LeaseJudge,
@@ -253,7 +252,7 @@ class SlotRing:
         for name, tensor in tensors.fetch(list(layout)):
             entry = layout[name]
             data = tensor.detach().to(target[name]).contiguous().reshape(-1).view(torch.uint8)
-            sums.append(_int32_sum(data))
+            sums.append(_word_sum(data))
             mapping.view[entry.offset : entry.offset + entry.nbytes].copy_(data, non_blocking=mapping.pinned)
             gap_end = min(-(-(entry.offset + entry.nbytes) // ALIGNMENT) * ALIGNMENT, mapping.size)
             if gap_end > entry.offset + entry.nbytes:
@@ -355,16 +354,13 @@ class _Mapping:
             self.mm.close()
 
 
-def _int32_sum(data: torch.Tensor) -> torch.Tensor:
-    """The checksum's partial sum of a tensor's bytes (protocol.weight_slots.int32_sum), on its
-    device: zero-padded to whole words, in chunks so no int64 partial sum can overflow."""
-    remainder = data.numel() % 4
+def _word_sum(data: torch.Tensor) -> torch.Tensor:
+    """The checksum's partial sum of a tensor's bytes (protocol.weight_slots.word_sum), on its
+    device: zero-padded to whole 64-bit words, summed as int64 (wrapping modulo 2**64)."""
+    remainder = data.numel() % 8
     if remainder:
-        data = torch.cat([data, torch.zeros(4 - remainder, dtype=torch.uint8, device=data.device)])
-    words = data.view(torch.int32)
-    step = CHUNK_BYTES // 4
-    parts = [words[i : i + step].sum(dtype=torch.int64) for i in range(0, max(words.numel(), 1), step)]
-    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+        data = torch.cat([data, torch.zeros(8 - remainder, dtype=torch.uint8, device=data.device)])
+    return data.view(torch.int64).sum()
 
 
 def _retire(slot: Path) -> None:
