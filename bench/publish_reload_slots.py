@@ -18,6 +18,7 @@ the medians of publish, load and their sum for each path.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import statistics
 import sys
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--shm", default="/dev/shm", help="the tmpfs both paths publish into")
     parser.add_argument("--json")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("rollout_svc").setLevel(logging.INFO)  # the engine's own account of each load
     device = "cuda:0" if args.device == "cuda" else "cpu"
     figures = {shape: measure(shape, device, args.steps, Path(args.shm)) for shape in args.shapes.split(",")}
     print("| shape | GB | directory: publish + load s | slot: publish + load s |")
