@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from protocol import fsio
@@ -253,7 +254,10 @@ class SlotRing:
             entry = layout[name]
             data = tensor.detach().to(target[name]).contiguous().reshape(-1).view(torch.uint8)
             sums.append(_word_sum(data))
-            mapping.view[entry.offset : entry.offset + entry.nbytes].copy_(data, non_blocking=mapping.pinned)
+            if data.device.type == "cpu":  # a plain memcpy: torch's copy_ waits on its thread pool per tensor
+                np.copyto(mapping.array[entry.offset : entry.offset + entry.nbytes], data.numpy())
+            else:
+                mapping.view[entry.offset : entry.offset + entry.nbytes].copy_(data, non_blocking=mapping.pinned)
             gap_end = min(-(-(entry.offset + entry.nbytes) // ALIGNMENT) * ALIGNMENT, mapping.size)
             if gap_end > entry.offset + entry.nbytes:
                 mapping.view[entry.offset + entry.nbytes : gap_end].zero_()
@@ -332,6 +336,7 @@ class _Mapping:
         self.size, self.inode = size, inode
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)  # the same bytes, for copies from CPU tensors
         self.pinned = False
         if pin and torch.cuda.is_available():
             self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
@@ -349,7 +354,7 @@ class _Mapping:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self.pinned = False
-        del self.view
+        del self.view, self.array
         with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with the process
             self.mm.close()
 
