@@ -4,7 +4,7 @@ each step doing both, in turn.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
         .venvs/rollout/bin/python bench/publish_reload_slots.py [--device cpu|cuda] [--shapes tiny,mid]
-                                                                [--steps 5] [--shm /dev/shm] [--json OUT]
+                                                                [--steps 8] [--shm /dev/shm] [--json OUT]
 
 Shapes: `tiny` (build/tiny-model's, 0.46M parameters), `mid` (the same Llama at hidden 768, 12
 layers: 85M parameters, 340 MB in float32), `0.5b` and `1.5b` (Qwen2.5's, GPU only). The policy
@@ -12,7 +12,9 @@ is the model's tensors, on the device, nudged in place each step (float32 on CPU
 GPU, the dtypes the trainer publishes). Each step: publish a directory into --shm and have the
 engine load it (inspect, reload in place, verify), then publish a slot into a ring in --shm and
 have the engine load that (lease, one copy, checksum, load_weights, verify). Reported per shape:
-the medians of publish, load and their sum for each path.
+the medians of publish, load and their sum for each path (the ring's first lap, each slot's first
+write, pays the page faults that populate its memory: a few steps more than two make it the
+steady state's figure).
 """
 
 from __future__ import annotations
@@ -135,13 +137,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shapes", default="tiny,mid")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--shm", default="/dev/shm", help="the tmpfs both paths publish into")
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("rollout_svc").setLevel(logging.INFO)  # the engine's own account of each load
     device = "cuda:0" if args.device == "cuda" else "cpu"
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)  # the trainer's own setting on CPU (run.cpu_threads): the engine has the cores
     figures = {shape: measure(shape, device, args.steps, Path(args.shm)) for shape in args.shapes.split(",")}
     print("| shape | GB | directory: publish + load s | slot: publish + load s |")
     print("| --- | --- | --- | --- |")

@@ -85,7 +85,9 @@ def slot_lease(real: str, content_id: str, reader: str) -> Iterator[None]:
 class MappedSlot:
     """A slot's tensors.bin mapped shared into this process, as a uint8 tensor (`view`)."""
 
-    def __init__(self, directory: str, pin: bool):
+    def __init__(self, directory: str, pin: bool, private: bool = False):
+        """`private`: copy-on-write (MAP_PRIVATE), so a loader that writes into a tensor it was
+        handed changes only this mapping, never the slot; map it for one load only."""
         import torch
 
         path = os.path.join(directory, SLOT_DATA)
@@ -95,7 +97,10 @@ class MappedSlot:
         try:
             st = os.fstat(fd)
             self.identity = (st.st_ino, st.st_size)
-            self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            if private:
+                self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            else:
+                self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         with warnings.catch_warnings():
@@ -159,11 +164,15 @@ def mapped(cache: dict, directory: str, pin: bool) -> MappedSlot:
 
 
 def copy_to_device(slot: MappedSlot, manifest: SlotManifest, device):
-    """The slot's bytes as a uint8 tensor on `device`: one copy (from pinned memory on a GPU)."""
+    """The slot's bytes as a uint8 tensor on `device`: one copy (from pinned memory on a GPU); on
+    the CPU, a private mapping's bytes themselves (the model's loader copies them into its
+    parameters: a copy before it would only cost a pass over the weights)."""
     import torch
 
     if manifest.bytes > slot.view.numel():
         raise SlotChecksumMismatch(f"the slot holds {slot.view.numel()} bytes, its manifest names {manifest.bytes}")
+    if device.type == "cpu":
+        return slot.view[: manifest.bytes]
     copy = torch.empty(manifest.bytes, dtype=torch.uint8, device=device)
     copy.copy_(slot.view[: manifest.bytes], non_blocking=slot.pinned)
     return copy

@@ -65,9 +65,9 @@ class WeightProbe:
 
     def load_slot(self, directory: str, manifest_json: bytes, post_process: bool) -> dict:
         """Load the weight slot `directory` (its manifest's bytes, as read under the reader's lease)
-        into the model in place: its tensors.bin, mapped here and kept mapped (pinned on a GPU),
-        copied to the model's device in one copy, checked there against the manifest's checksum,
-        then handed to the model's weight loading as views of that copy (slot_load). No file is
+        into the model in place: its tensors.bin, mapped here (on a GPU kept mapped and pinned, and
+        copied to the device in one copy), checked against the manifest's checksum where the bytes
+        lie, then handed to the model's weight loading as views of them (slot_load). No file is
         parsed; `post_process` as for load_files. Returns the seconds of each part."""
         import time
 
@@ -80,8 +80,10 @@ class WeightProbe:
         started = time.perf_counter()
         manifest = decode_slot_manifest(manifest_json, directory)
         device = next(self.model_runner.model.parameters()).device
-        cache = self.__dict__.setdefault("_mapped_slots", {})
-        slot = slot_load.mapped(cache, directory, pin=device.type == "cuda")
+        if device.type == "cpu":  # mapped for this load only, copy-on-write: its bytes are handed over as they are
+            slot = slot_load.MappedSlot(directory, pin=False, private=True)
+        else:  # kept mapped, and pinned once
+            slot = slot_load.mapped(self.__dict__.setdefault("_mapped_slots", {}), directory, pin=True)
         mapped = time.perf_counter()
         data = slot_load.copy_to_device(slot, manifest, device)
         slot_load.check(data, manifest, directory)  # on the device: waits for the copy
@@ -93,6 +95,8 @@ class WeightProbe:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         del data
+        if device.type == "cpu":
+            slot.close()
         return {
             "map_s": mapped - started,
             "copy_and_check_s": checked - mapped,
