@@ -29,7 +29,6 @@ import os
 import warnings
 from collections.abc import Iterator
 
-from protocol.messages import ErrorCode
 from protocol.weight_slots import (
     SLOT_DATA,
     SlotError,
@@ -38,8 +37,6 @@ from protocol.weight_slots import (
     read_slot_manifest,
     reading,
 )
-
-from .errors import RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +49,6 @@ class SlotChanged(RuntimeError):
 
 class SlotChecksumMismatch(RuntimeError):
     """A slot's bytes do not sum to its manifest's checksum."""
-
-
-def slot_manifest(real: str, shown: str) -> SlotManifest:
-    """The manifest of the slot `real`; a refusal naming `shown` when it has none or a bad one."""
-    try:
-        return read_slot_manifest(real)
-    except FileNotFoundError:
-        raise RequestFailed(
-            ErrorCode.WEIGHTS_NOT_FOUND,
-            f"weights_dir {shown} is a weight slot without complete weights now (being written, or retired): "
-            "name the newest published weights",
-        ) from None
-    except (OSError, SlotError) as exc:
-        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.messages import ErrorCode
-from protocol.weight_slots import SlotManifest, is_slot
+from protocol.weight_slots import SlotError, SlotManifest, is_slot, read_slot_manifest
 from protocol.weights_dir import weights_content_id
 
 from .errors import RequestFailed
@@ -112,13 +112,25 @@ class WeightsPolicy:
         self.check_files_allowed(real, weights_dir)
         config = _read_config(real, weights_dir)
         if is_slot(real):
-            from .slot_load import slot_manifest
-
-            manifest = slot_manifest(real, weights_dir)
+            manifest = _slot_manifest(real, weights_dir)
             return Weights(weights_dir, real, manifest.content_id, config, (), manifest.bytes, manifest)
         shards = _shards(real, weights_dir)
         size_bytes = sum(_check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
         return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards), size_bytes)
+
+
+def _slot_manifest(real: str, shown: str) -> SlotManifest:
+    """The manifest of the slot `real`; a refusal naming `shown` when it has none or a bad one."""
+    try:
+        return read_slot_manifest(real)
+    except FileNotFoundError:
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_NOT_FOUND,
+            f"weights_dir {shown} is a weight slot without complete weights now (being written, or retired): "
+            "name the newest published weights",
+        ) from None
+    except (OSError, SlotError) as exc:
+        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: {exc}") from None
 
 
 def _read_config(real: str, shown: str) -> dict:
