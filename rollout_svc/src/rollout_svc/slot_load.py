@@ -1,15 +1,16 @@
 """Loading a weight slot (protocol.weight_slots) into the engine: the worker's side of the same-host
 fast path.
 
-    weights = policy.inspect(slot_dir)            # a Weights with .slot, the manifest (weights.py)
-    with slot_lease(weights, reader_id):          # in the worker process, around the engine's load
+    weights = policy.inspect(slot_dir)                             # a Weights with .slot, its manifest
+    with slot_lease(weights.real_path, weights.content_id, reader):  # the worker, around the engine's load
         engine process: load_slot(...)            # vllm_extension: copy to the device, check, load
 
-In the engine's own process (vllm_extension.WeightProbe.load_slot) the slot's tensors.bin is mapped
-(kept mapped between loads; on a GPU registered with cudaHostRegister once, so each later copy runs
-at the bus's speed), copied to the model's device in one copy, its checksum taken there from the
-copy (a sum of its 64-bit words on the device, never a read of each tensor back), and the tensors, views of that
-copy, handed to the model's own weight loading. No safetensors file is read.
+In the engine's own process (vllm_extension.WeightProbe.load_slot) the slot's tensors.bin is mapped:
+on a GPU kept mapped between loads and registered with cudaHostRegister once, so each later copy
+runs at the bus's speed, then copied to the device in one copy; on a CPU mapped copy-on-write for
+the load, its bytes used as they are. The checksum is taken where the bytes lie (a sum of their
+64-bit words, never a read of each tensor back), and the tensors, views of those bytes, go to the
+model's own weight loading. No safetensors file is read.
 
 Guarantees:
 - The lease is taken before the manifest is read again and held until the engine's load returns,
