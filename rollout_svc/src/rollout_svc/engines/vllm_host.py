@@ -209,7 +209,7 @@ class LiveEngine:
             manifest = encode_slot_manifest(weights.slot)
             parts = self.llm.collective_rpc("load_slot", args=(weights.real_path, manifest, post_process))[0]
             log.info(
-                "slot %s (step %d, %d MB) loaded: map %.3f s, copy (GPU) and checksum %.3f s, load_weights %.3f s%s",
+                "slot %s (step %d, %d MB) loaded: map %.3f s, copy and checksum %.3f s, load_weights %.3f s%s",
                 weights.path, weights.slot.step, weights.size_bytes // 10**6, parts["map_s"],
                 parts["copy_and_check_s"], parts["load_s"], ", pinned" if parts["pinned"] else "",
             )  # fmt: skip
