@@ -232,7 +232,11 @@ def test_the_demos_settings_with_a_spawned_worker_resume_exactly(setting):
     base = setting["base"]
     run_dir = base / "demo-interrupted"
     # Its own worker, spawned by each launch on the run's own spool: a new engine after the stop.
-    spawned = merge(demo, {"rollout": {**SPAWNED, "spool": base / "demo-spool"}})
+    # Beside it the weights go through slots (the default), in a ring of the test's own.
+    (base / "demo-shm").mkdir()
+    spawned = merge(
+        demo, {"rollout": {**SPAWNED, "spool": base / "demo-spool"}, "publish": {"slots_dir": base / "demo-shm"}}
+    )
     config = write_config(base / "demo-interrupted.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
     interrupt_after(config, run_dir, 1, lambda proc: proc.send_signal(signal.SIGTERM))
     finished = launch(config)
