@@ -235,7 +235,11 @@ def test_the_demos_settings_with_a_spawned_worker_resume_exactly(setting):
     base = setting["base"]
     run_dir = base / "demo-interrupted"
     # Its own worker, spawned by each launch on the run's own spool: a new engine after the stop.
-    spawned = merge(demo, {"rollout": {**SPAWNED, "spool": base / "demo-spool"}})
+    # Beside it the weights go through slots (the default), in a ring of the test's own.
+    (base / "demo-shm").mkdir()
+    spawned = merge(
+        demo, {"rollout": {**SPAWNED, "spool": base / "demo-spool"}, "publish": {"slots_dir": base / "demo-shm"}}
+    )
     config = write_config(base / "demo-interrupted.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
     interrupt_after(config, run_dir, 1, lambda proc: proc.send_signal(signal.SIGTERM))
     finished = launch(config)
@@ -298,7 +302,8 @@ def test_a_really_full_disk_stops_the_run_with_74_and_the_relaunch_takes_every_s
     base = setting["base"]
     with small_tmpfs(base / "disk-5mb", 5 * 2**20) as disk:
         run_dir = disk.path / "run"
-        spawned = {"rollout": {**SPAWNED, "spool": base / "full-spool"}}
+        # Weights directories: the disk they fill is what this test is about.
+        spawned = {"rollout": {**SPAWNED, "spool": base / "full-spool"}, "publish": {"slots": "off"}}
         config = write_config(base / "full-5mb.toml", run_dir, setting["model"], setting["spool"].root, **spawned)
         proc = launch(config)
         assert proc.wait(timeout=600) == exit_codes.CANNOT_WRITE, log_tail(proc)

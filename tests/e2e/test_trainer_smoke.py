@@ -66,14 +66,22 @@ def warm(tmp_path_factory):
 def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm):
     base_dir, base, model = warm
     learned_dir, control_dir = base_dir / "grpo", base_dir / "control"
-    learned = run("train", str(write_config(base_dir / "grpo.toml", learned_dir, model, base)))
+    # Through weights directories, each publish a step directory (the slot path, the default beside
+    # a spawned worker, is test_grpo_on_the_slot_path_...'s).
+    directories = {"slots": "off"}
+    learned = run("train", str(write_config(base_dir / "grpo.toml", learned_dir, model, base, publish=directories)))
     assert learned.returncode == 0, learned.stderr[-3000:]
     # Trained on noise, the control may drift into short answers and fire the collapse tripwire
     # (it did, at step 108 of one seed); what it shows is the reward's flat line, so it runs
     # without the tripwire.
     unarmed = {"armed": False}
     control = run(
-        "train", str(write_config(base_dir / "control.toml", control_dir, model, base, shuffle=True, tripwire=unarmed))
+        "train",
+        str(
+            write_config(
+                base_dir / "control.toml", control_dir, model, base, shuffle=True, tripwire=unarmed, publish=directories
+            )
+        ),
     )
     assert control.returncode == 0, control.stderr[-3000:]
 
@@ -98,6 +106,29 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
     # The spawned worker is gone and its spool holds no claim.
     assert os.listdir(learned_dir / "spool" / "claimed") == []
     assert not list((learned_dir / "spool" / "workers").iterdir())
+
+
+def test_grpo_on_the_slot_path_loads_each_publish_from_shared_memory(warm):
+    """The default beside a spawned worker: each publish goes into a slot of the run's ring, the
+    requests name the slots, the worker loads them straight into its engine; the directory (the
+    portable form) is written at the last step."""
+    base_dir, base, model = warm
+    run_dir, shm = base_dir / "slots-run", base_dir / "shm"  # a ring of the test's own, not in /dev/shm
+    shm.mkdir()
+    config = write_config(base_dir / "slots.toml", run_dir, model, base, steps=4, publish={"slots_dir": shm})
+    done = run("train", str(config))
+    assert done.returncode == 0, done.stderr[-3000:]
+    banner = json.loads((run_dir / "stage_result.json").read_text())["banner"]
+    assert banner["weight_sync"].startswith("shared-memory slots: 2 in "), banner["weight_sync"]
+    [ring] = shm.iterdir()
+    served = {json.loads(p.read_text())["weights_dir"] for p in (run_dir / "spool" / "done").glob("*.request.json")}
+    slots = {str(ring / f"slot_{i}") for i in range(2)}
+    assert slots <= served and served <= slots | {str(model)}, served  # the starting model, then slots only
+    worker_log = (run_dir / "rollout-worker.log").read_text()
+    assert worker_log.count(f"slot {ring}/slot_") >= 3, worker_log[-3000:]  # publishes 1-3 serve steps 2-4
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_00000004"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4 and max(row["mismatch_max"] for row in metrics) < 1e-3  # the engine had the weights
 
 
 def test_banding_through_the_rollout_service_gives_a_band_file_train_accepts(warm):

@@ -1,7 +1,8 @@
 """One real vLLM worker (CPU build) on tiny models, through the real spool.
 
 Generation, logprobs against transformers, in-place reload, rebuild on an architecture change,
-bad weights, bad prompts, the metrics textfile, and SIGTERM while generating. The worker is
+weights published into a slot of the trainer's ring, bad weights, bad prompts, the metrics
+textfile, and SIGTERM while generating. The worker is
 shared by the module; a test that finds it stopped (the SIGTERM test stops it) starts it again,
 so the tests run in any order and alone.
 """
@@ -12,7 +13,9 @@ import contextlib
 import math
 import os
 import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ServedWorker, keep_running, poll, stop_worker, wait_for_status
@@ -24,6 +27,7 @@ from protocol.spool import Spool
 pytestmark = pytest.mark.timeout(900)
 
 WORKER = "e2e-vllm"
+TRAINER_PYTHON = Path(__file__).resolve().parents[2] / ".venvs" / "trainer" / "bin" / "python"
 MAX_MODEL_LEN = 256
 
 
@@ -438,3 +442,50 @@ def test_a_chain_of_delta_publishes_is_served_exactly_as_the_full_weights(worker
     assert "cannot be rebuilt" in failed.error.message
     assert manifest_of(chain.paths[3])["delta_base"] in failed.error.message  # the version the chain breaks at
     assert ask(client, chain.paths[5], ["12+7="]).ok
+
+
+# The trainer's two publishes of one set of weights: a directory, and a slot of a ring (run in the
+# trainer's venv, as the trainer runs them).
+PUBLISH_BOTH = """
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+from trainer_svc.publish import publish
+from trainer_svc.slot_publish import SlotRing
+from trainer_svc.weights_writer import as_stream
+
+model, out = Path(sys.argv[1]), Path(sys.argv[2])
+tensors = load_file(model / "model.safetensors")
+published = publish(5, tensors, publish_dir=out / "weights", base_model=model)
+ring = SlotRing(out / "ring", 2, spool_dir=None, wait_s=0)
+slot = ring.write(ring.choose(), 5, "slots-step5", as_stream(tensors), None, model)
+print(published.path, published.content_id, slot.path, slot.content_id)
+"""
+
+
+def test_a_request_naming_a_weight_slot_is_served_with_the_directory_publishs_weights(worker, models, client_for):
+    from protocol.weight_slots import leases
+
+    out = models["root"] / "slots"
+    done = subprocess.run(
+        [str(TRAINER_PYTHON), "-c", PUBLISH_BOTH, str(models["b"]), str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    directory, directory_id, slot, slot_id = done.stdout.split()
+    client = client_for(worker["spool"].root)
+    ask(client, models["a"], ["12+7="])  # the engine holds other weights first
+    from_slot = ask(client, slot, ["12+7=", "Hello"], weights_content_id=slot_id, n_samples_per_prompt=2,
+                    temperature=1.0, seed=11)  # fmt: skip
+    from_directory = ask(client, directory, ["12+7=", "Hello"], weights_content_id=directory_id,
+                         n_samples_per_prompt=2, temperature=1.0, seed=11)  # fmt: skip
+    assert from_slot.ok, from_slot.error
+    assert (from_slot.weights_dir, from_slot.weights_content_id) == (slot, slot_id)
+    assert from_slot.timings.reload_s > 0
+    # The same weights in the engine: the same samples and the same logprobs, bit for bit.
+    assert from_slot.token_ids == from_directory.token_ids
+    assert from_slot.logprobs == from_directory.logprobs
+    assert leases(slot) == []  # the worker let go once its copy was made
+    log = (worker["base"] / f"{WORKER}.log").read_text()
+    assert f"slot {slot} (step 5" in log  # loaded as a slot, not read as files
+    stale = ask(client, slot, weights_content_id="slots-step4")
+    assert stale.error.code == ErrorCode.WEIGHTS_INVALID and "content id" in stale.error.message

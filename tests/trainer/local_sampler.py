@@ -10,7 +10,33 @@ from __future__ import annotations
 
 import torch
 
+from protocol.weight_slots import SLOT_DATA, combine_sums, is_slot, read_slot_manifest, word_sum
 from trainer_svc.rollout_types import Group, Sample, Ticket
+
+
+def _from_slot(slot: str, content_id: str | None):
+    """The model a weight slot holds, as a worker would load it: refused when the slot holds other
+    weights than the request names, and checked against its checksum."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    manifest = read_slot_manifest(slot)
+    if content_id is not None and manifest.content_id != content_id:
+        raise RuntimeError(f"{slot} holds {manifest.content_id}, the request names {content_id}")
+    data = (Path(slot) / SLOT_DATA).read_bytes()[: manifest.bytes]
+    assert combine_sums([word_sum(data)]) == manifest.checksum, slot
+    state = {
+        name: torch.frombuffer(bytearray(data[e.offset : e.offset + e.nbytes]), dtype=getattr(torch, e.dtype))
+        .view(e.shape)
+        .float()
+        for name, e in manifest.tensors.items()
+    }
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(slot), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
 
 
 class TorchSampler:
@@ -27,12 +53,12 @@ class TorchSampler:
         if key not in self._cache:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            self._cache = {
-                key: (
-                    AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval(),
-                    AutoTokenizer.from_pretrained(weights_dir),
-                )
-            }
+            model = (
+                _from_slot(weights_dir, content_id)
+                if is_slot(weights_dir)
+                else AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32)
+            )
+            self._cache = {key: (model.eval(), AutoTokenizer.from_pretrained(weights_dir))}
         return self._cache[key]
 
     @torch.no_grad()

@@ -12,6 +12,7 @@ from conftest import make_config
 from local_sampler import TorchSampler
 
 from protocol import exit_codes
+from protocol.weight_slots import ring_dir
 from trainer_svc.loop import train
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
@@ -125,15 +126,21 @@ def first_samplings(samplers: list) -> list[tuple[int, str]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ahead, lose_published", [(0, False), (1, False), (0, True)])
+@pytest.mark.parametrize(
+    "ahead, lose_published, slots",
+    [(0, False, False), (1, False, False), (0, True, False), (1, False, True), (0, True, True)],
+)
 def test_a_stop_between_two_publishes_resumes_from_the_weights_the_rollouts_used(
-    warm_model, tmp_path, ahead, lose_published
+    warm_model, tmp_path, ahead, lose_published, slots
 ):
     """With publish.every = 2 a checkpoint taken between two publishes holds newer weights than
     the rollouts sample from; the resumed run must sample from the published ones, as the
     uninterrupted run does, not from the checkpoint's own; also when the publish directory lost
-    them between launches (a tmpfs emptied by a reboot): the checkpoint keeps a copy."""
-    settings = dict(train={"steps": 5}, publish={"every": 2}, rollout={"ahead": ahead, "max_policy_lag": 1 + ahead})
+    them between launches (a tmpfs emptied by a reboot): the checkpoint keeps a copy. `slots`:
+    published into shared-memory slots (publish.slots = on), a directory at the last step."""
+    publishing = {"every": 2} | ({"slots": "on", "slots_dir": str(tmp_path / "shm")} if slots else {})
+    (tmp_path / "shm").mkdir()
+    settings = dict(train={"steps": 5}, publish=publishing, rollout={"ahead": ahead, "max_policy_lag": 1 + ahead})
     straight = make_config(tmp_path / "straight", warm_model, **settings)
     straight_samplers: list = []
     assert run(straight, straight_samplers) == exit_codes.OK
@@ -147,18 +154,21 @@ def test_a_stop_between_two_publishes_resumes_from_the_weights_the_rollouts_used
         codes.append(run(interrupted, samplers))
         if lose_published:
             shutil.rmtree(interrupted.run_dir / "weights", ignore_errors=True)
+            shutil.rmtree(ring_dir(tmp_path / "shm", interrupted.run_dir), ignore_errors=True)  # a reboot
     assert codes == [exit_codes.RESUMABLE_STOP] * 4 + [exit_codes.OK]
 
     def named(found, run_dir):
-        return sorted({(step, d.replace(str(run_dir), "RUN")) for step, d in found})
+        ring = str(ring_dir(tmp_path / "shm", run_dir))
+        return sorted({(step, d.replace(ring, "RING").replace(str(run_dir), "RUN")) for step, d in found})
 
     # each step sampled from the same weights as in the uninterrupted run (and no more were published)
     assert named(first_samplings(samplers), interrupted.run_dir) == named(
         first_samplings(straight_samplers), straight.run_dir
     )
-    assert lose_published or sorted(p.name for p in (interrupted.run_dir / "weights").iterdir()) == [
-        "step_00000002",
-        "step_00000004",
-        "step_00000005",
-    ]
+    assert lose_published or sorted(p.name for p in (interrupted.run_dir / "weights").iterdir()) == (
+        ["step_00000005"] if slots else ["step_00000002", "step_00000004", "step_00000005"]
+    )
+    if slots:  # the steps sampled from slots of the ring, once they stopped sampling the starting model
+        sampled = {d for _, d in first_samplings(samplers)} - {str(warm_model)}
+        assert sampled and all("/slot_" in d for d in sampled), sampled
     assert step_rows(interrupted.run_dir) == expected

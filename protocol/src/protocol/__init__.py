@@ -8,6 +8,7 @@
 - evaluation, jsonl: eval jobs through the spool, and the JSONL reading they share with the trainer;
 - weights_dir: the weights-directory contract (step names, the manifest, content ids) that the
   trainer writes and workers read; weight_delta: sparse deltas between two publishes (numpy);
+  weight_slots: weights published into shared-memory slots, with readers' leases (the same-host path);
 - cli: `spoolctl`, the operator's view of a spool.
 """
 

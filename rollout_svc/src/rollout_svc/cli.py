@@ -204,6 +204,7 @@ def serve(
             enforce_eager=enforce_eager,
             sleep_level=sleep_level if sleep_when_idle else None,
             seed=seed,
+            reader_id=worker_id,  # a weight slot's lease is this worker's, kept by its heartbeat
         )
     config = WorkerConfig(
         worker_id=worker_id,

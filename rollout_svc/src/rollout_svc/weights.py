@@ -5,6 +5,9 @@ model.safetensors.index.json when sharded) and tokenizer files. Only safetensors
 pickle-based formats (.bin, .pt) are refused, never opened.
 
 Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data.
+A weight slot (protocol.weight_slots: a flat tensors file and its manifest, with the config and
+tokenizer beside them) is inspected the same way and carries its manifest (`Weights.slot`);
+slot_load.py loads it.
 Every refusal is a RequestFailed whose message starts with the request's `weights_dir`.
 """
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.messages import ErrorCode
+from protocol.weight_slots import SlotError, SlotManifest, is_slot, read_slot_manifest
 from protocol.weights_dir import weights_content_id
 
 from .errors import RequestFailed
@@ -48,7 +52,8 @@ class Weights:
     content_id: str
     config: dict
     shards: tuple[str, ...]  # safetensors file names
-    size_bytes: int  # the shards' total size: what loading these weights reads
+    size_bytes: int  # the shards' total size (a slot's: its tensors' bytes): what loading these weights reads
+    slot: SlotManifest | None = None  # a weight slot's manifest, as inspected; None: a weights directory
 
     @property
     def architecture(self) -> dict:
@@ -106,9 +111,26 @@ class WeightsPolicy:
             )
         self.check_files_allowed(real, weights_dir)
         config = _read_config(real, weights_dir)
+        if is_slot(real):
+            manifest = _slot_manifest(real, weights_dir)
+            return Weights(weights_dir, real, manifest.content_id, config, (), manifest.bytes, manifest)
         shards = _shards(real, weights_dir)
         size_bytes = sum(_check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
         return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards), size_bytes)
+
+
+def _slot_manifest(real: str, shown: str) -> SlotManifest:
+    """The manifest of the slot `real`; a refusal naming `shown` when it has none or a bad one."""
+    try:
+        return read_slot_manifest(real)
+    except FileNotFoundError:
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_NOT_FOUND,
+            f"weights_dir {shown} is a weight slot without complete weights now (being written, or retired): "
+            "name the newest published weights",
+        ) from None
+    except (OSError, SlotError) as exc:
+        raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: {exc}") from None
 
 
 def _read_config(real: str, shown: str) -> dict:

@@ -243,6 +243,13 @@ class PublishConfig(Struct):
     # the previous one when that is under half the bytes. auto: on over a network filesystem.
     delta: Literal["auto", "on", "off"] = "auto"
     delta_anchor_every: Positive = 8  # a full publish at least every this many, so a chain stays short
+    # The same-host fast path: a ring of shared-memory slots the worker copies straight into its
+    # engine (slot_publish.py). auto: on where the worker is spawned on this host and slots_dir has room.
+    slots: Literal["auto", "on", "off"] = "auto"
+    slots_dir: str = "/dev/shm"  # a tmpfs the trainer and its workers share; the ring is <slots_dir>/<run>-<hash>
+    slots_count: Annotated[int, msgspec.Meta(ge=2)] = 2  # slots in the ring, each the weights' size in memory
+    slots_wait_s: NonNegativeFloat = 10.0  # wait for a free slot this long, then publish a directory instead
+    dir_every: NonNegative = 0  # with slots: also a directory (the portable form) every N steps; 0: the last step only
 
 
 class CheckpointConfig(Struct):
@@ -390,7 +397,9 @@ def _resolve_paths(config: Config) -> Config:
             config.data, path=resolve(config.data.path), band_file=resolve(config.data.band_file)
         ),
         band=msgspec.structs.replace(config.band, out=resolve(config.band.out)),
-        publish=msgspec.structs.replace(config.publish, dir=resolve(config.publish.dir)),
+        publish=msgspec.structs.replace(
+            config.publish, dir=resolve(config.publish.dir), slots_dir=resolve(config.publish.slots_dir)
+        ),
         rollout=msgspec.structs.replace(
             config.rollout, spool=resolve(config.rollout.spool), rollout_venv=resolve(config.rollout.rollout_venv)
         ),

@@ -58,6 +58,7 @@ from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
 from protocol.rows import prompt_fields
 from protocol.spool import Spool, id_from_name, split_claimed_name
+from protocol.weight_slots import ring_dir
 
 from .config import Config
 from .gates import rollout_gpu
@@ -133,6 +134,10 @@ class RolloutService:
             raise RolloutUnavailable(
                 f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
             )
+        ring = None  # the run's slot ring, where its weights may be published (weight_sync)
+        if cfg.publish.slots != "off" and Path(cfg.publish.slots_dir).is_dir():
+            ring = ring_dir(cfg.publish.slots_dir, cfg.run_dir)
+            ring.mkdir(exist_ok=True)  # an allowed root must exist when the worker starts
         command = [
             str(executable),
             "serve",
@@ -148,6 +153,7 @@ class RolloutService:
             str(Path(cfg.model.path).parent),
             "--allowed-root",
             str(cfg.publish_dir),
+            *(["--allowed-root", str(ring)] if ring is not None else []),
             "--idle-exit",
             str(WORKER_IDLE_EXIT_S),
             *cfg.rollout.worker_args,

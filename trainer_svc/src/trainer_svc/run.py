@@ -176,13 +176,14 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         cfg.run_dir, policy.model, policy.optimizer, policy.scheduler, stream, tripwire, dist_info
     )
     gates.check_horizon(policy.scheduler.total_steps, cfg, state.horizon)
+    sync = WeightSync(cfg, dist_info)
     banner = outputs.banner(cfg, stage, latest.path if latest else None, len(train_problems), gate_figures)
+    banner["weight_sync"] = sync.describe()
     log.info("BANNER %s", json.dumps(banner, indent=1))
 
     if sampler is not None and (state.step >= cfg.train.steps or tripwire.fired):
         sampler.close()  # nothing left to sample
         sampler = None
-    sync = WeightSync(cfg, dist_info)
     weights = sync.resume(policy.model, state.step, state.rollout_weights, latest.path if latest else None)
     return Run(
         cfg=cfg,

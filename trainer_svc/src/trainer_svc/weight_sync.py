@@ -8,9 +8,13 @@
 Each publish writes publish_dir/step_NNNNNNNN (HF layout in the serving dtype, manifest last,
 renamed into place: see publish and weights_writer) and names it in the next requests; with
 `publish.delta` on (auto: over a network filesystem) a publish may be a sparse delta against the
-previous one (delta_publish), which the workers rebuild from its chain. Its cost
-is the weights' bytes, never the optimizer's: resume checkpoints are a separate, slower cadence.
-Old directories are pruned unless a pending or claimed request still names them.
+previous one (delta_publish), which the workers rebuild from its chain. Where the worker shares
+this host (`publish.slots`), a publish goes into a ring of shared-memory slots instead
+(slot_publish), which the requests name the same way; a directory is still written every
+`publish.dir_every` steps and at the last one (the portable form), and whenever no slot is free
+within `publish.slots_wait_s`. Its cost is the weights' bytes, never the optimizer's: resume
+checkpoints are a separate, slower cadence. Old directories are pruned unless a pending or
+claimed request still names them; slots are rewritten in turn (slot_publish says when).
 
 Every rank calls these (under FSDP2 the parameters are gathered one at a time for rank 0 to
 write) and gets the same WeightsRef back.
@@ -26,12 +30,14 @@ import torch
 from protocol import weight_delta, weights_chain
 from protocol.weights_dir import MANIFEST
 
+from . import outputs
 from . import publish as published
 from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .delta_publish import DeltaPublisher, deltas_wanted
 from .model import Distributed
 from .sampling import WeightsRef
+from .slot_publish import SlotRing, publish_slot, slots_choice
 from .weights_writer import iter_full_tensors, serving_dtype
 
 log = logging.getLogger(__name__)
@@ -48,10 +54,41 @@ class WeightSync:
         self.deltas_on, self.deltas_why = deltas_wanted(cfg.publish.delta, self.dir)
         self.deltas = DeltaPublisher(cfg.publish.delta_anchor_every) if self.deltas_on else None
 
+        # The slot ring, on rank 0 (None: directories only); `path` says which, for the banner.
+        ring, self.path = dist_info.from_rank0(slots_choice(cfg) if dist_info.is_main else None)
+        self.slots = SlotRing.for_run(cfg, ring) if ring is not None and dist_info.is_main else None
+        self.slotted = ring is not None
+        self.republish_into: Path | None = None  # after a resume: the slot the requests named
+
+    def describe(self) -> str:
+        """For the banner: where publishes go, in which form, and why."""
+        directories = outputs.describe_weight_sync(self.cfg)  # full directories or sparse deltas, and why
+        return f"{self.path}; its directories: {directories}" if self.slotted else f"{self.path}: {directories}"
+
     def due(self, step: int) -> bool:
         return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
 
     def publish(self, model, step: int) -> WeightsRef:
+        if not self.slotted:
+            return self.publish_dir(model, step)
+        every = self.cfg.publish.dir_every
+        if (every and step % every == 0) or step == self.cfg.train.steps:
+            self.publish_dir(model, step)  # the portable form, for eval jobs, other hosts and people
+        wanted, self.republish_into = self.republish_into, None
+        slot = self.dist.from_rank0(self.slots.choose(wanted) if self.dist.is_main else None)
+        if slot is None:
+            log.warning(
+                "no weight slot was free within publish.slots_wait_s = %s s (readers or pending requests hold "
+                "them all): publishing step %d as a directory instead",
+                self.cfg.publish.slots_wait_s,
+                step,
+            )
+            return self.publish_dir(model, step)
+        written = publish_slot(self.slots, slot, step, model, self.dist, self.dtype, self.cfg)
+        ref = WeightsRef(str(written.path), written.content_id, written.step) if written is not None else None
+        return self.dist.from_rank0(ref)
+
+    def publish_dir(self, model, step: int) -> WeightsRef:
         write = self.deltas.publish if self.deltas is not None else published.publish
         record = write(
             step,
@@ -81,6 +118,8 @@ class WeightSync:
         they came from steps this run will take again."""
         ref = None
         if self.dist.is_main:
+            if self.slots is not None:
+                self.slots.discard_newer_than(step)
             discarded = published.discard_newer_than(self.dir, step)
             if discarded:
                 log.info("discarded %d published weights newer than step %d", len(discarded), step)
@@ -103,6 +142,14 @@ class WeightSync:
         if step == 0 or (named is not None and named.step is None):
             return WeightsRef(self.cfg.model.path)  # nothing published yet: the starting model
         wanted = named.step if named is not None else step
+        if named is not None and self.slots is not None and self.slots.holds(named.dir):
+            kept = checkpoint / ROLLOUT_WEIGHTS if checkpoint is not None else None
+            found = self.slots.resumed(named.dir, named.content_id, None if wanted == step else kept)
+            if found is not None:
+                return WeightsRef(str(found.path), found.content_id, found.step)
+            if wanted == step:
+                self.republish_into = Path(named.dir)  # the checkpoint's own weights, where they were named
+                return None
         for found in published.list_published(self.dir):
             if found.step == wanted and (named is None or found.content_id == named.content_id):
                 if self._rebuildable(found.content_id):

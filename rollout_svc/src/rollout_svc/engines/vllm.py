@@ -23,18 +23,22 @@ with vLLM 0.32.0), so asking for it on CPU is refused here, at construction.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
+import socket
 import time
 from typing import NamedTuple
 
 from protocol.messages import ErrorCode, Request
+from protocol.weight_slots import SlotError, read_slot_manifest
 from protocol.weights_dir import weights_content_id
 
 from ..delta_load import DeltaLoader
 from ..errors import RequestFailed
+from ..slot_load import SlotChanged, slot_lease
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
 from .host import EngineHost, HostDied, HostError, descendants
@@ -86,6 +90,7 @@ class VllmEngine:
         enforce_eager: bool | None = None,
         sleep_level: int | None = None,
         seed: int = 0,
+        reader_id: str | None = None,
     ):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPU. `sleep_level` None builds the
         engine without vLLM's sleep mode; 1 (weights kept in host memory) or 2 (weights
@@ -99,6 +104,8 @@ class VllmEngine:
                 "on this machine, or run the worker on a GPU"
             )
         self.name = f"vllm {_vllm_version()}"
+        # Whose lease a weight slot's read takes: the worker id, whose heartbeat in the spool keeps it.
+        self.reader_id = reader_id or f"{socket.gethostname()}-{os.getpid()}"
         self.device = device
         self.policy = policy
         self.deltas = DeltaLoader(policy)  # keeps the copy a chain of delta publishes is applied to
@@ -156,7 +163,12 @@ class VllmEngine:
                 seconds, read = seconds + replaced.load.seconds, read + replaced.load.bytes
             else:
                 seconds, read = seconds + load.seconds, read + load.bytes
-                if load is ALREADY_LIVE or self._content_id_now(self.weights) == self.weights.content_id:
+                # A slot was read under its lease, so what was loaded is what its content id names.
+                if (
+                    load is ALREADY_LIVE
+                    or self.weights.slot is not None
+                    or self._content_id_now(self.weights) == self.weights.content_id
+                ):
                     return Load(seconds, read)
                 self._holding_unknown_version()
             log.warning("%s was replaced while it was being loaded; loading it again", weights_dir)
@@ -175,8 +187,10 @@ class VllmEngine:
     @staticmethod
     def _content_id_now(weights: Weights) -> str | None:
         try:
+            if weights.slot is not None:
+                return read_slot_manifest(weights.real_path).content_id
             return weights_content_id(weights.real_path, weights.shards)
-        except OSError:  # removed meanwhile: the next inspect says so
+        except (OSError, SlotError):  # removed meanwhile: the next inspect says so
             return None
 
     def _load_once(self, weights_dir: str, expected_content_id: str | None) -> Load:
@@ -201,28 +215,34 @@ class VllmEngine:
         same_shape = (
             live is not None and weights.architecture == live.architecture and tokenizer_id == self.tokenizer_id
         )
-        try:
-            if same_shape and self.asleep:
-                # Level 2 discarded the weights; level 1 kept them, and they do unless others are named.
-                reload = self.sleep_level == 2 or not unchanged
-                self._wake(weights, reload)
-                read = read if reload else 0
-            elif same_shape:
-                self._reload_in_place(weights)
-            else:
+        with contextlib.ExitStack() as held:
+            if weights.slot is not None:  # the reader's lease, held until the engine has its copy
+                try:
+                    held.enter_context(slot_lease(weights.real_path, weights.content_id, self.reader_id))
+                except SlotChanged as exc:  # retired or rewritten since the inspection: inspect again
+                    raise _Replaced(Load(time.monotonic() - started, 0)) from exc
+            try:
+                if same_shape and self.asleep:
+                    # Level 2 discarded the weights; level 1 kept them, and they do unless others are named.
+                    reload = self.sleep_level == 2 or not unchanged
+                    self._wake(weights, reload)
+                    read = read if reload else 0
+                elif same_shape:
+                    self._reload_in_place(weights)
+                else:
+                    self._build(weights)
+            except HostError as exc:
+                if self._content_id_now(weights) != weights.content_id:  # the files changed under the load
+                    if same_shape:
+                        self.weights = live
+                        self._holding_unknown_version()
+                    raise _Replaced(Load(time.monotonic() - started, read)) from exc
+                if not same_shape:
+                    raise
+                # A failed reload or wake must not leave a broken engine behind.
+                log.warning("changing to %s in place failed (%s); building a new engine", weights_dir, exc)
+                read = weights.size_bytes
                 self._build(weights)
-        except HostError as exc:
-            if self._content_id_now(weights) != weights.content_id:  # the files changed under the load
-                if same_shape:
-                    self.weights = live
-                    self._holding_unknown_version()
-                raise _Replaced(Load(time.monotonic() - started, read)) from exc
-            if not same_shape:
-                raise
-            # A failed reload or wake must not leave a broken engine behind.
-            log.warning("changing to %s in place failed (%s); building a new engine", weights_dir, exc)
-            read = weights.size_bytes
-            self._build(weights)
         self.weights, self.tokenizer_id, self.tokenizer_size = weights, tokenizer_id, tokenizer_size
         return Load(time.monotonic() - started, read)
 

@@ -62,3 +62,44 @@ class WeightProbe:
             self.reload_weights(weights_iterator=tensors())
         else:
             self.model_runner.model.load_weights(tensors())
+
+    def load_slot(self, directory: str, manifest_json: bytes, post_process: bool) -> dict:
+        """Load the weight slot `directory` (its manifest's bytes, as read under the reader's lease)
+        into the model in place: its tensors.bin, mapped here (on a GPU kept mapped and pinned, and
+        copied to the device in one copy), checked against the manifest's checksum where the bytes
+        lie, then handed to the model's weight loading as views of them (slot_load). No file is
+        parsed; `post_process` as for load_files. Returns the seconds of each part."""
+        import time
+
+        import torch
+
+        from protocol.weight_slots import decode_slot_manifest
+
+        from .. import slot_load
+
+        started = time.perf_counter()
+        manifest = decode_slot_manifest(manifest_json, directory)
+        device = next(self.model_runner.model.parameters()).device
+        if device.type == "cpu":  # mapped for this load only, copy-on-write: its bytes are handed over as they are
+            slot = slot_load.MappedSlot(directory, pin=False, private=True)
+        else:  # kept mapped, and pinned once
+            slot = slot_load.mapped(self.__dict__.setdefault("_mapped_slots", {}), directory, pin=True)
+        mapped = time.perf_counter()
+        data = slot_load.copy_to_device(slot, manifest, device)
+        slot_load.check(data, manifest, directory)  # on the device: waits for the copy
+        checked = time.perf_counter()
+        if post_process:
+            self.reload_weights(weights_iterator=slot_load.tensors(data, manifest))
+        else:
+            self.model_runner.model.load_weights(slot_load.tensors(data, manifest))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        del data
+        if device.type == "cpu":
+            slot.close()
+        return {
+            "map_s": mapped - started,
+            "copy_and_check_s": checked - mapped,
+            "load_s": time.perf_counter() - checked,
+            "pinned": slot.pinned,
+        }

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from protocol.messages import ErrorCode, Request
+from protocol.weight_slots import encode_slot_manifest
 
 from ..errors import RequestFailed
 from ..weights import Weights
@@ -95,6 +96,8 @@ class LiveEngine:
         from vllm import LLM
 
         started = time.monotonic()
+        # A weight slot has no safetensors file: the engine starts with vLLM's dummy weights and
+        # the slot is loaded into it in place, as a reload would.
         self.llm = LLM(
             weights.real_path,
             dtype=spec.dtype,
@@ -103,12 +106,14 @@ class LiveEngine:
             enforce_eager=spec.enforce_eager,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             enable_sleep_mode=spec.sleep_mode,
-            load_format="safetensors",  # never unpickle a checkpoint
+            load_format="dummy" if weights.slot is not None else "safetensors",  # never unpickle a checkpoint
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
         )
-        self._verify(weights)
         self.post_process = needs_post_processing(spec.device, self.llm.llm_engine.model_config.quantization)
+        if weights.slot is not None:
+            self._reload_weights(weights, self.post_process)  # over the dummy weights, as a reload
+        self._verify(weights)
         facts = self.facts() | {"llm_s": time.monotonic() - started}
         log.info("engine built for %s in %.1f s (%s)", weights.path, facts["llm_s"], describe(facts))
         return facts
@@ -200,6 +205,15 @@ class LiveEngine:
         each file read straight onto the device). 270 MB on an H200: 0.08 s, 0.14 s with vLLM's
         post-processing, against 0.18-0.22 s for vLLM's `reload_weights` from the directory."""
         self.weights = None  # until verified
+        if weights.slot is not None:
+            manifest = encode_slot_manifest(weights.slot)
+            parts = self.llm.collective_rpc("load_slot", args=(weights.real_path, manifest, post_process))[0]
+            log.info(
+                "slot %s (step %d, %d MB) loaded: map %.3f s, copy and checksum %.3f s, load_weights %.3f s%s",
+                weights.path, weights.slot.step, weights.size_bytes // 10**6, parts["map_s"],
+                parts["copy_and_check_s"], parts["load_s"], ", pinned" if parts["pinned"] else "",
+            )  # fmt: skip
+            return
         paths = [os.path.join(weights.real_path, shard) for shard in weights.shards]
         self.llm.collective_rpc("load_files", args=(paths, post_process))
 
@@ -208,24 +222,16 @@ class LiveEngine:
         over each tensor. A reload that failed or was skipped leaves whole tensors stale, which
         any block shows; summing blocks instead of whole tensors keeps the check in milliseconds
         at billions of parameters (whole tensors cost 0.5 s at 1.5B)."""
-        from safetensors import safe_open
-
         engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
-        candidates = []
-        for shard in weights.shards:
-            with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
-                for name in f.keys():
-                    if name in engine_shapes:
-                        shape = f.get_slice(name).get_shape()
-                        candidates.append((math.prod(shape), shard, name, shape))
+        source = SlotSource(weights) if weights.slot is not None else ShardSource(weights)
+        candidates = [(math.prod(shape), name, shape) for name, shape in source.shapes() if name in engine_shapes]
         expected: dict[str, float] = {}
         blocks: dict[str, list[tuple[int, int]]] = {}
         dtype = _torch_dtype(self.llm.llm_engine.model_config.dtype)
-        for _, shard, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]:
+        for _, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]:
             blocks[name] = probe_blocks(shape)
-            with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
-                tensor = f.get_slice(name)
-                expected[name] = sum(float(tensor[a:b].to(dtype).double().sum()) for a, b in blocks[name])
+            expected[name] = sum(float(source.rows(name, a, b).to(dtype).double().sum()) for a, b in blocks[name])
+        source.close()
         if not expected:
             log.warning("no tensor of %s can be compared with the engine's; weights not verified", weights.path)
         actual = self.llm.collective_rpc("parameter_sums", args=(blocks,))[0] if expected else {}
@@ -234,6 +240,57 @@ class LiveEngine:
             if got is None or not math.isclose(got, want, rel_tol=PROBE_RTOL, abs_tol=PROBE_RTOL):
                 raise StaleWeights(f"{name}: engine sum {got}, file sum {want}")
         self.weights = weights
+
+
+class ShardSource:
+    """A weights directory's tensors, for _verify: names and shapes, and row blocks read on demand."""
+
+    def __init__(self, weights: Weights):
+        self.weights = weights
+        self.shard_of: dict[str, str] = {}
+
+    def shapes(self):
+        from safetensors import safe_open
+
+        for shard in self.weights.shards:
+            with safe_open(os.path.join(self.weights.real_path, shard), framework="pt") as f:
+                for name in f.keys():
+                    self.shard_of[name] = shard
+                    yield name, f.get_slice(name).get_shape()
+
+    def rows(self, name: str, start: int, stop: int):
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(self.weights.real_path, self.shard_of[name]), framework="pt") as f:
+            return f.get_slice(name)[start:stop]
+
+    def close(self) -> None:
+        pass
+
+
+class SlotSource:
+    """A weight slot's tensors, for _verify: its manifest's names and shapes, row blocks read from a
+    mapping of tensors.bin (the reader's lease is held around every load, so the bytes are those
+    loaded)."""
+
+    def __init__(self, weights: Weights):
+        from ..slot_load import MappedSlot
+
+        self.manifest = weights.slot
+        self.slot = MappedSlot(weights.real_path, pin=False)
+
+    def shapes(self):
+        return ((name, entry.shape) for name, entry in self.manifest.tensors.items())
+
+    def rows(self, name: str, start: int, stop: int):
+        import torch
+
+        entry = self.manifest.tensors[name]
+        tensor = self.slot.view[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype))
+        return tensor.view(entry.shape)[start:stop]
+
+    def close(self) -> None:
+        self.slot.close()
 
 
 def needs_post_processing(device: str, quantization: str | None) -> bool:
