@@ -2,7 +2,11 @@
 spawns a real vLLM worker from the rollout venv and talks to it through the real spool.
 
 The reward must rise, and a control run with the rewards shuffled within each step (same
-updates, no signal) must not rise as much: the gain comes from the reward."""
+updates, no signal) must not rise as much: the gain comes from the reward.
+
+The GRPO run spawns its own worker, as `make demo` does; the control and the banding runs use one
+worker already serving a shared spool (`rollout.spawn = false`), as under systemd, which also spares
+each of them an engine start."""
 
 from __future__ import annotations
 
@@ -12,7 +16,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import ServedWorker, keep_running
 from run_config import LEARNING, write_run_config
+
+from protocol.spool import Spool
+from protocol.weight_slots import ring_dir
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -23,11 +31,21 @@ WINDOW = 30
 
 
 def write_config(
-    path: Path, run_dir: Path, model: Path, base: Path, *, shuffle: bool = False, steps: int = STEPS, **sections: dict
+    path: Path,
+    run_dir: Path,
+    model: Path,
+    base: Path,
+    *,
+    shuffle: bool = False,
+    steps: int = STEPS,
+    spool: Path | None = None,
+    **sections: dict,
 ) -> Path:
-    """LEARNING, warmed up from `base`; `sections` add to it (a [band], a band_file in [data])."""
+    """LEARNING, warmed up from `base`; `sections` add to it (a [band], a band_file in [data]).
+    `spool`: served by a worker already running there; None: the run spawns its own."""
     ours = {
         "run": {"dir": run_dir},
+        "rollout": {"spawn": False, "spool": spool} if spool else {},
         "model": {"path": model},
         "sft": {"base": base},
         "train": {"steps": steps},
@@ -56,15 +74,28 @@ def warm(tmp_path_factory):
         check=True,
         capture_output=True,
     )
-    model = base_dir / "sft-model"
-    config = write_config(base_dir / "sft.toml", base_dir / "sft-run", model, base)
-    done = run("sft", str(config))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return base_dir, base, model
+    # The shared worker's engine starts while the warm-up trains.
+    spool = Spool(base_dir / "shared-spool", create=True)
+    worker = ServedWorker(
+        spool, "smoke-shared",
+        ["--engine", "vllm", "--allowed-root", str(base_dir), "--weights", str(base), "--max-model-len", "64",
+         "--idle-exit", "0"],
+        log_dir=base_dir,
+    )  # fmt: skip
+    worker.start()
+    try:
+        model = base_dir / "sft-model"
+        config = write_config(base_dir / "sft.toml", base_dir / "sft-run", model, base)
+        done = run("sft", str(config))
+        assert done.returncode == 0, done.stderr[-3000:]
+        keep_running(worker)
+        yield base_dir, base, model, spool.root
+    finally:
+        worker.kill()
 
 
 def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm):
-    base_dir, base, model = warm
+    base_dir, base, model, shared = warm
     learned_dir, control_dir = base_dir / "grpo", base_dir / "control"
     # Through weights directories, each publish a step directory (the slot path, the default beside
     # a spawned worker, is test_grpo_on_the_slot_path_...'s).
@@ -79,7 +110,7 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
         "train",
         str(
             write_config(
-                base_dir / "control.toml", control_dir, model, base, shuffle=True, tripwire=unarmed, publish=directories
+                base_dir / "control.toml", control_dir, model, base, shuffle=True, spool=shared, tripwire=unarmed
             )
         ),
     )
@@ -111,8 +142,8 @@ def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm)
 def test_grpo_on_the_slot_path_loads_each_publish_from_shared_memory(warm):
     """The default beside a spawned worker: each publish goes into a slot of the run's ring, the
     requests name the slots, the worker loads them straight into its engine; the directory (the
-    portable form) is written at the last step."""
-    base_dir, base, model = warm
+    portable form) is written at the last step; the ring is removed when the run ends."""
+    base_dir, base, model, shared = warm
     run_dir, shm = base_dir / "slots-run", base_dir / "shm"  # a ring of the test's own, not in /dev/shm
     shm.mkdir()
     config = write_config(base_dir / "slots.toml", run_dir, model, base, steps=4, publish={"slots_dir": shm})
@@ -120,7 +151,8 @@ def test_grpo_on_the_slot_path_loads_each_publish_from_shared_memory(warm):
     assert done.returncode == 0, done.stderr[-3000:]
     banner = json.loads((run_dir / "stage_result.json").read_text())["banner"]
     assert banner["weight_sync"].startswith("shared-memory slots: 2 in "), banner["weight_sync"]
-    [ring] = shm.iterdir()
+    ring = ring_dir(shm, run_dir)
+    assert not ring.exists()  # its memory went back to the host when the run ended
     served = {json.loads(p.read_text())["weights_dir"] for p in (run_dir / "spool" / "done").glob("*.request.json")}
     slots = {str(ring / f"slot_{i}") for i in range(2)}
     assert slots <= served and served <= slots | {str(model)}, served  # the starting model, then slots only
@@ -132,10 +164,12 @@ def test_grpo_on_the_slot_path_loads_each_publish_from_shared_memory(warm):
 
 
 def test_banding_through_the_rollout_service_gives_a_band_file_train_accepts(warm):
-    base_dir, base, model = warm
+    base_dir, base, model, shared = warm
     band_file = base_dir / "band.jsonl"
     band = {"samples": 8, "candidates": 64, "low": 0.1, "high": 0.9, "out": band_file}
-    banding = run("band", str(write_config(base_dir / "band.toml", base_dir / "band-run", model, base, band=band)))
+    banding = run(
+        "band", str(write_config(base_dir / "band.toml", base_dir / "band-run", model, base, spool=shared, band=band))
+    )
     assert banding.returncode == 0, banding.stderr[-3000:]
     manifest = json.loads(Path(str(band_file) + ".manifest.json").read_text())
     assert manifest["model"] == os.path.realpath(model) and sum(manifest["counts"].values()) == 64
@@ -144,13 +178,15 @@ def test_banding_through_the_rollout_service_gives_a_band_file_train_accepts(war
     assert all(0.1 <= r["pass_rate"] <= 0.9 for r in rows)
 
     banded = {"band": band, "data": {"band_file": band_file}}
-    config = write_config(base_dir / "banded.toml", base_dir / "banded-run", model, base, steps=4, **banded)
+    config = write_config(
+        base_dir / "banded.toml", base_dir / "banded-run", model, base, steps=4, spool=shared, **banded
+    )
     training = run("train", str(config))
     assert training.returncode == 0, training.stderr[-3000:]
     banner = json.loads((base_dir / "banded-run" / "stage_result.json").read_text())["banner"]
     assert banner["band_file"] == str(band_file) and banner["band_prompts"] == len(rows)
 
     # The same band file for another starting model is refused by its gate (exit 3).
-    other = write_config(base_dir / "other.toml", base_dir / "other-run", base, base, steps=4, **banded)
+    other = write_config(base_dir / "other.toml", base_dir / "other-run", base, base, steps=4, spool=shared, **banded)
     refused = run("train", str(other))
     assert refused.returncode == 3 and "band" in refused.stderr

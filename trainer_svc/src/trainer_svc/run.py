@@ -111,7 +111,8 @@ class Run:
     def close(self) -> None:
         self.verifier.close()
         self.rewards.close()
-        self.sample.close()
+        self.sample.close()  # a spawned worker stops here
+        self.sync.close(run_over=self.state.step >= self.cfg.train.steps or self.tripwire.fired)
         self.out.close()
         if self.dist.world_size > 1:
             dist.destroy_process_group()

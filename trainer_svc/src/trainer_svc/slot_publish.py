@@ -299,6 +299,12 @@ class SlotRing:
             _retire(slot)
         return doomed
 
+    def in_use(self) -> list[Path]:
+        """The slots a reader holds or a pending or claimed request names (all of them when the
+        spool cannot say)."""
+        named = self._named()
+        return [s for s in self.slots if named is None or os.path.realpath(s) in named or self.judge.held(s)]
+
     def remove(self) -> None:
         """Remove the whole ring (its memory is the host's): at the end of a run."""
         for mapping in self._maps.values():

@@ -22,12 +22,14 @@ write) and gets the same WeightsRef back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import torch
 
 from protocol import weight_delta, weights_chain
+from protocol.weight_slots import ring_dir
 from protocol.weights_dir import MANIFEST
 
 from . import outputs
@@ -64,6 +66,27 @@ class WeightSync:
         """For the banner: where publishes go, in which form, and why."""
         directories = outputs.describe_weight_sync(self.cfg)  # full directories or sparse deltas, and why
         return f"{self.path}; its directories: {directories}" if self.slotted else f"{self.path}: {directories}"
+
+    def close(self, run_over: bool) -> None:
+        """At the end of a launch, once its spawned worker is gone (rank 0). A run that is over
+        (finished, or stopped by its tripwire) gives the slot ring's memory back to the host, unless
+        a reader still holds a slot or a request in the spool names one. A stopped run keeps it for
+        its relaunch, which names the slots its requests named (resume)."""
+        if not self.dist.is_main or not run_over:
+            return
+        if self.slots is None:  # a ring directory made for a spawned worker, never used
+            with contextlib.suppress(OSError):
+                ring_dir(self.cfg.publish.slots_dir, self.cfg.run_dir).rmdir()
+            return
+        in_use = self.slots.in_use()
+        if in_use:
+            log.warning(
+                "the weight slot ring %s stays: %s still named or read (rm -r it once they are done)",
+                self.slots.ring,
+                [p.name for p in in_use],
+            )
+            return
+        self.slots.remove()
 
     def due(self, step: int) -> bool:
         return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
