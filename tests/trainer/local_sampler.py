@@ -62,11 +62,11 @@ class TorchSampler:
         return self._cache[key]
 
     @torch.no_grad()
-    def sample(self, prompts, *, weights_dir, content_id, step, attempt, seed, n=None, temperature=None, tag="train"):
+    def sample(self, prompts, *, weights, step, attempt, seed, n=None, temperature=None, tag="train"):
         self.requests.append(
-            {"weights_dir": weights_dir, "content_id": content_id, "step": step, "attempt": attempt, "tag": tag}
+            {"weights_dir": weights.dir, "content_id": weights.content_id, "step": step, "attempt": attempt, "tag": tag}
         )
-        model, tokenizer = self._load(weights_dir, content_id)
+        model, tokenizer = self._load(weights.dir, weights.content_id)
         r = self.cfg.rollout
         generator = torch.Generator().manual_seed(seed)
         groups = []
@@ -101,8 +101,7 @@ class TorchSampler:
     def collect(self, ticket: Ticket) -> list[Group]:
         groups = self.sample(
             list(ticket.prompts),
-            weights_dir=ticket.weights.dir,
-            content_id=ticket.weights.content_id,
+            weights=ticket.weights,
             step=ticket.step,
             attempt=ticket.attempt,
             seed=ticket.seed,

@@ -17,6 +17,7 @@ from local_sampler import TorchSampler
 
 from protocol.messages import Result, WorkerStatus
 from protocol.spool import Spool
+from trainer_svc.rollout_types import WeightsRef
 
 BEAT_S = 0.5
 
@@ -69,7 +70,7 @@ class SpoolServer(threading.Thread):
 
     def serve(self, request) -> Result:
         groups = self.sampler.sample(
-            request.prompts, weights_dir=request.weights_dir, content_id=request.weights_content_id, step=0,
+            request.prompts, weights=WeightsRef(request.weights_dir, request.weights_content_id), step=0,
             attempt=0, seed=request.seed, n=request.n_samples_per_prompt, temperature=request.temperature,
             tag=request.tag,
         )  # fmt: skip

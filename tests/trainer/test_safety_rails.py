@@ -36,8 +36,17 @@ class Recording(TorchSampler):
 
     def sample(self, prompts, **kwargs):
         groups = super().sample(prompts, **kwargs)
+        weights = {"weights_dir": kwargs["weights"].dir, "content_id": kwargs["weights"].content_id}
         self.calls.append(
-            {"tag": "train", "n": None, "temperature": None, **kwargs, "prompts": list(prompts), "groups": groups}
+            {
+                "tag": "train",
+                "n": None,
+                "temperature": None,
+                **kwargs,
+                **weights,
+                "prompts": list(prompts),
+                "groups": groups,
+            }
         )
         return groups
 
@@ -51,7 +60,7 @@ class Collapsing(Recording):
     def sample(self, prompts, **kwargs):
         groups = super().sample(prompts, **kwargs)
         if kwargs.get("tag", "train") == "train" and kwargs["step"] >= self.COLLAPSE_FROM:
-            eos = self._load(kwargs["weights_dir"], kwargs["content_id"])[1].eos_token_id
+            eos = self._load(kwargs["weights"].dir, kwargs["weights"].content_id)[1].eos_token_id
             for group in groups:
                 group.samples = [Sample([eos], [-0.25], "", "stop") for _ in group.samples]
         return groups

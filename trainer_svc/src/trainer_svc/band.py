@@ -21,6 +21,7 @@ from protocol.weights_dir import weights_content_id
 from .config import Config
 from .data import DataError, load_problems
 from .rewards import Verifier
+from .rollout_types import WeightsRef
 
 BATCH = 64  # prompts per request
 
@@ -52,8 +53,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
             batch = candidates[start : start + BATCH]
             groups = sampler.sample(
                 [p.prompt for p in batch],
-                weights_dir=model,
-                content_id=None,
+                weights=WeightsRef(model),
                 step=start // BATCH,
                 attempt=0,
                 seed=cfg.run.seed + start,

@@ -57,8 +57,7 @@ class Canary:
     def run(self, step: int, weights: WeightsRef) -> dict:
         groups = self.sampler.sample(
             [p.prompt for p in self.problems],
-            weights_dir=weights.dir,
-            content_id=weights.content_id,
+            weights=weights,
             step=step,
             attempt=0,
             seed=0,

@@ -317,8 +317,7 @@ class RolloutService:
         self,
         prompts: list[str | list[dict]],
         *,
-        weights_dir: str,
-        content_id: str | None,
+        weights: WeightsRef,
         step: int,
         attempt: int,
         seed: int,
@@ -327,7 +326,6 @@ class RolloutService:
         tag: str = "train",
     ) -> list[Group]:
         """`n` samples (default G) of each prompt, from the given weights: submit, then collect."""
-        weights = WeightsRef(weights_dir, content_id)
         ticket = self.submit(
             prompts, weights=weights, step=step, attempt=attempt, seed=seed, n=n, temperature=temperature, tag=tag
         )
