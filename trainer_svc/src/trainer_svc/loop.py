@@ -57,14 +57,14 @@ def steps(run: Run) -> int:
         with timer.phase("rollout"):
             rollouts = run.sample(state.step, run.weights)
         with timer.phase("train"):
-            stats = learn(run.policy, rollouts, cfg, run.dist)
+            stats = learn(run.policy, rollouts, cfg, run.dist_info)
         state.step += 1
         if run.sync.due(state.step):
             with timer.phase("publish"):
                 run.weights = run.sync.publish(run.policy.model, state.step)
         row = {"step": state.step, **summarize(rollouts), **stats}
         tripped = run.tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"])
-        stopping, tripping = run.stop.agreed(run.dist, tripped is not None)
+        stopping, tripping = run.stop.agreed(run.dist_info, tripped is not None)
         row.update(run.canary.maybe_run(state.step, run.weights))
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping or tripping:
             with timer.phase("save"):
@@ -98,7 +98,7 @@ def save(run: Run, row: dict, pin_reason: str | None = None) -> None:
         "row": row,  # timings as of the save's start
     }
     run.latest = ckpt.save_and_prune(
-        run.cfg, run.state.step, run.policy, trainer_state, run.dist, pin_reason, run.weights
+        run.cfg, run.state.step, run.policy, trainer_state, run.dist_info, pin_reason, run.weights
     )
 
 

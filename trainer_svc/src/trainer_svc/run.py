@@ -81,7 +81,7 @@ class StopRequest:
 class Run:
     cfg: Config
     stage: str
-    dist: Distributed
+    dist_info: Distributed  # this rank and the world (torch.distributed is `dist`)
     policy: Policy
     stream: PromptStream
     verifier: Verifier
@@ -114,7 +114,7 @@ class Run:
         self.sample.close()  # a spawned worker stops here
         self.sync.close(run_over=self.state.step >= self.cfg.train.steps or self.tripwire.fired)
         self.out.close()
-        if self.dist.world_size > 1:
+        if self.dist_info.world_size > 1:
             dist.destroy_process_group()
 
 
@@ -189,7 +189,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
     return Run(
         cfg=cfg,
         stage=stage,
-        dist=dist_info,
+        dist_info=dist_info,
         policy=policy,
         stream=stream,
         verifier=verifier,

@@ -134,7 +134,7 @@ class StepSampler:
         in_flight: list[dict] = (),
         spares: dict | None = None,
     ):
-        self.sampler, self.stream, self.rewards, self.cfg, self.dist = sampler, stream, rewards, cfg, dist_info
+        self.sampler, self.stream, self.rewards, self.cfg, self.dist_info = sampler, stream, rewards, cfg, dist_info
         self.spares = SpareSizer(cfg.rollout, spares)
         self.in_flight: dict[int, InFlight] = {}
         if sampler is not None:
@@ -146,11 +146,11 @@ class StepSampler:
     def __call__(self, step: int, weights: WeightsRef) -> StepRollouts:
         """Step `step`'s rollouts; `weights` are the newest published ones."""
         local = None
-        if self.cfg.rollout.colocate and self.cfg.rollout.colocate_sleep_s and self.dist.device.type == "cuda":
+        if self.cfg.rollout.colocate and self.cfg.rollout.colocate_sleep_s and self.dist_info.device.type == "cuda":
             torch.cuda.empty_cache()  # blocks the trainer cached are the memory a waking worker needs
         if self.sampler is not None:
             local = self._sample(step, weights)
-        return self.dist.from_rank0(local)  # one object: a step's rollouts are small
+        return self.dist_info.from_rank0(local)  # one object: a step's rollouts are small
 
     def _first_size(self) -> int:
         """Prompts in a step's first sampling sent now: its own and the spares."""

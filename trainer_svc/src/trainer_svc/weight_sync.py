@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class WeightSync:
     def __init__(self, cfg: Config, dist_info: Distributed):
         self.cfg = cfg
-        self.dist = dist_info
+        self.dist_info = dist_info
         self.dir = cfg.publish_dir
         self.dtype = {"auto": serving_dtype(dist_info.device), "float32": torch.float32, "bfloat16": torch.bfloat16}[
             cfg.publish.dtype
@@ -72,7 +72,7 @@ class WeightSync:
         (finished, or stopped by its tripwire) gives the slot ring's memory back to the host, unless
         a reader still holds a slot or a request in the spool names one. A stopped run keeps it for
         its relaunch, which names the slots its requests named (resume)."""
-        if not self.dist.is_main or not run_over:
+        if not self.dist_info.is_main or not run_over:
             return
         if self.slots is None:  # a ring directory made for a spawned worker, never used
             with contextlib.suppress(OSError):
@@ -98,7 +98,7 @@ class WeightSync:
         if (every and step % every == 0) or step == self.cfg.train.steps:
             self.publish_dir(model, step)  # the portable form, for eval jobs, other hosts and people
         wanted, self.republish_into = self.republish_into, None
-        slot = self.dist.from_rank0(self.slots.choose(wanted) if self.dist.is_main else None)
+        slot = self.dist_info.from_rank0(self.slots.choose(wanted) if self.dist_info.is_main else None)
         if slot is None:
             log.warning(
                 "no weight slot was free within publish.slots_wait_s = %s s (readers or pending requests hold "
@@ -107,18 +107,18 @@ class WeightSync:
                 step,
             )
             return self.publish_dir(model, step)
-        written = publish_slot(self.slots, slot, step, model, self.dist, self.dtype, self.cfg)
+        written = publish_slot(self.slots, slot, step, model, self.dist_info, self.dtype, self.cfg)
         ref = WeightsRef(str(written.path), written.content_id, written.step) if written is not None else None
-        return self.dist.from_rank0(ref)
+        return self.dist_info.from_rank0(ref)
 
     def publish_dir(self, model, step: int) -> WeightsRef:
         write = self.deltas.publish if self.deltas is not None else published.publish
         record = write(
             step,
-            iter_full_tensors(model, self.dist),
+            iter_full_tensors(model, self.dist_info),
             publish_dir=self.dir,
             base_model=Path(self.cfg.model.path),
-            dist_info=self.dist,
+            dist_info=self.dist_info,
             run_name=self.cfg.run_dir.name,
             dtype=self.dtype,
         )
@@ -126,7 +126,7 @@ class WeightSync:
         if record is not None:  # rank 0
             published.prune_published(self.dir, self.cfg.publish.keep_last, self.cfg.spool_dir)
             ref = WeightsRef(str(record.path), record.content_id, record.step)
-        return self.dist.from_rank0(ref)
+        return self.dist_info.from_rank0(ref)
 
     def resume(
         self, model, step: int, rollout_weights: dict | None = None, checkpoint: Path | None = None
@@ -140,14 +140,14 @@ class WeightSync:
         whose own weights the requests named). Weights published after `step` are discarded:
         they came from steps this run will take again."""
         ref = None
-        if self.dist.is_main:
+        if self.dist_info.is_main:
             if self.slots is not None:
                 self.slots.discard_newer_than(step)
             discarded = published.discard_newer_than(self.dir, step)
             if discarded:
                 log.info("discarded %d published weights newer than step %d", len(discarded), step)
             ref = self._resumed(step, WeightsRef(**rollout_weights) if rollout_weights else None, checkpoint)
-        ref = self.dist.from_rank0(ref)
+        ref = self.dist_info.from_rank0(ref)
         return ref if ref is not None else self.publish(model, step)
 
     def _rebuildable(self, content_id: str) -> bool:
