@@ -205,8 +205,8 @@ def test_a_call_not_answered_in_time_names_each_request_and_its_state(tmp_path, 
         service.close()
     message = str(info.value)
     assert "step 5 (train, attempt 1)" in message and "rollout.timeout_s" in message
-    assert f"{claimed_id}: claimed by echo-other" in message
-    assert f"{done_id}: done" in message and f"{queued_id}: queued" in message
+    assert f"{claimed_id} (claimed by echo-other)" in message
+    assert f"{done_id} (done)" in message and f"{queued_id} (queued)" in message
 
 
 @pytest.fixture

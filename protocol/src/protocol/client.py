@@ -159,7 +159,7 @@ class SpoolClient:
             waker.wait(min(self.rescan_s, max(0.0, deadline - now), 1.0))
 
     def describe(self, request_ids: list[str], limit: int = 5) -> str:
-        """Where each of the first `limit` ids is: queued, claimed by whom, or missing."""
+        """Where each of the first `limit` ids is: done, queued, claimed by whom, or missing."""
         claimed = {}
         for entry in self.spool.entries("claimed"):
             original, worker_id = split_claimed_name(entry.name)
@@ -167,7 +167,9 @@ class SpoolClient:
         queued = set(os.listdir(self.spool.requests))
         parts = []
         for request_id in request_ids[:limit]:
-            if request_id in claimed:
+            if self.spool.has_result(request_id):
+                parts.append(f"{request_id} (done)")
+            elif request_id in claimed:
                 parts.append(f"{request_id} (claimed by {claimed[request_id]})")
             elif name_for_id(request_id) in queued:
                 parts.append(f"{request_id} (queued)")

@@ -57,7 +57,7 @@ import msgspec
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
 from protocol.rows import prompt_fields
-from protocol.spool import Spool, id_from_name, split_claimed_name
+from protocol.spool import split_claimed_name
 from protocol.weight_slots import ring_dir
 
 from .config import Config
@@ -83,26 +83,6 @@ def split_sizes(total: int, parts: int) -> tuple[int, ...]:
     parts = max(1, min(parts, total))
     base, extra = divmod(total, parts)
     return tuple(base + (i < extra) for i in range(parts))
-
-
-def describe_requests(spool: Spool, request_ids: list[str]) -> str:
-    """Where each request stands: done, queued, claimed by a worker, or not in the spool."""
-    claimed = {}
-    for entry in spool.entries("claimed"):
-        original, worker_id = split_claimed_name(entry.name)
-        claimed[id_from_name(original)] = worker_id
-    states = []
-    for request_id in request_ids:
-        if spool.has_result(request_id):
-            state = "done"
-        elif request_id in claimed:
-            state = f"claimed by {claimed[request_id]}"
-        elif spool.request_path(request_id).exists():
-            state = "queued"
-        else:
-            state = "not in the spool"
-        states.append(f"{request_id}: {state}")
-    return "; ".join(states)
 
 
 class RolloutService:
@@ -286,7 +266,7 @@ class RolloutService:
             raise RolloutUnavailable(
                 f"step {ticket.step} ({ticket.tag}, attempt {ticket.attempt}) has no complete answer after "
                 f"{self.cfg.rollout.timeout_s:.0f} s (rollout.timeout_s): "
-                f"{describe_requests(self.client.spool, request_ids)}. "
+                f"{self.client.describe(request_ids)}. "
                 f"`spoolctl stats -s {self.cfg.spool_dir}` shows what the workers do"
             ) from None
         except NoLiveWorker as exc:
