@@ -69,7 +69,7 @@ def main() -> None:
 
     from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
-    from trainer_svc.model import Distributed
+    from trainer_svc.distributed import Distributed
     from trainer_svc.publish import publish
     from trainer_svc.safetensors_stream import use_writer_threads, writer_threads
     from trainer_svc.weights_writer import iter_full_tensors

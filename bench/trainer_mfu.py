@@ -130,7 +130,7 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
 
     from trainer_svc.batch import collate
     from trainer_svc.config import Config
-    from trainer_svc.model import Distributed
+    from trainer_svc.distributed import Distributed
     from trainer_svc.train_step import StepTotals, make_optimizer, make_scheduler, train_step
 
     cfg = msgspec.convert(

@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    from trainer_svc.model import Distributed
+    from trainer_svc.distributed import Distributed
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the serving dtype; CPU: the model's

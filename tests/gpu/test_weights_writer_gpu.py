@@ -23,7 +23,7 @@ for path in (TESTS, TESTS.parent / "trainer_svc" / "src"):
 from hf_weights import assert_bit_equal, build_llama, load_model, read_all  # noqa: E402
 from manifest_check import verify  # noqa: E402
 
-from trainer_svc.model import Distributed  # noqa: E402
+from trainer_svc.distributed import Distributed  # noqa: E402
 from trainer_svc.weights_writer import (  # noqa: E402
     TensorSpec,
     TensorStream,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer_svc import checkpoint
-from trainer_svc.model import Distributed
+from trainer_svc.distributed import Distributed
 
 torch.set_num_threads(1)
 

@@ -135,7 +135,8 @@ def test_the_config_refuses_bands_and_caps_that_would_correct_agreement(tmp_path
 
 
 def tiny_policy(tiny_model, cfg):
-    from trainer_svc.model import Distributed, load_policy
+    from trainer_svc.distributed import Distributed
+    from trainer_svc.model import load_policy
     from trainer_svc.train_step import Policy, make_optimizer, make_scheduler
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ import torch
 torch.set_num_threads(1)
 
 from protocol.weights_dir import weights_content_id  # noqa: E402
-from trainer_svc.model import Distributed  # noqa: E402
+from trainer_svc.distributed import Distributed  # noqa: E402
 from trainer_svc.publish import (  # noqa: E402
     discard_newer_than,
     latest_published,

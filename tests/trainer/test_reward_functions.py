@@ -20,7 +20,7 @@ from conftest import make_config
 from trainer_svc.canary import Canary
 from trainer_svc.config import RewardConfig
 from trainer_svc.data import DataError, Problem, PromptStream
-from trainer_svc.model import Distributed
+from trainer_svc.distributed import Distributed
 from trainer_svc.reward_functions import RewardFunctionError, Rewards
 from trainer_svc.reward_process import import_function
 from trainer_svc.rewards import Verifier, format_ok, overlong_penalty

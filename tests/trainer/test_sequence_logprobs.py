@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from trainer_svc.batch import collate
+from trainer_svc.distributed import Distributed
 from trainer_svc.grpo import logprobs_and_entropy
-from trainer_svc.model import Distributed, compile_layers, load_policy
+from trainer_svc.model import compile_layers, load_policy
 from trainer_svc.rollout_types import Group, Sample
 from trainer_svc.train_step import sequence_logprobs
 

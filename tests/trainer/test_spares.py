@@ -14,7 +14,7 @@ import torch
 from conftest import make_config
 
 from trainer_svc.data import Problem, PromptStream
-from trainer_svc.model import Distributed
+from trainer_svc.distributed import Distributed
 from trainer_svc.reward_functions import Rewards
 from trainer_svc.rewards import Verifier
 from trainer_svc.rollout_types import Group, Sample, Ticket, WeightsRef

@@ -32,7 +32,7 @@ from hf_weights import assert_bit_equal, build_llama, load_model, read_all  # no
 from manifest_check import WeightsCorrupt, verify  # noqa: E402
 
 from protocol.weights_dir import MANIFEST, FileEntry  # noqa: E402
-from trainer_svc.model import Distributed  # noqa: E402
+from trainer_svc.distributed import Distributed  # noqa: E402
 from trainer_svc.weights_writer import (  # noqa: E402
     TensorSpec,
     TensorStream,
@@ -467,7 +467,8 @@ def _child_rewrite(out: str, base: str) -> int:
 def _child_fsdp(root: str, tied: str, untied: str) -> int:
     import torch.distributed as dist
 
-    from trainer_svc.model import init_distributed, shard
+    from trainer_svc.distributed import init_distributed
+    from trainer_svc.model import shard
 
     dist_info = init_distributed()
     for name, base in (("tied", tied), ("untied", untied)):

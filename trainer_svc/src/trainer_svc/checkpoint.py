@@ -52,7 +52,7 @@ from protocol.weights_dir import (
 )
 
 from .atomic_dir import building
-from .model import Distributed
+from .distributed import Distributed
 from .weights_writer import COPIED_FILES
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ from protocol.weights_dir import MANIFEST, STEP_PREFIX, Manifest, encode_manifes
 
 from . import publish as published
 from .atomic_dir import building, remove_stale_partials
-from .model import Distributed
+from .distributed import Distributed
 from .safetensors_stream import write_small
 from .weights_writer import COPIED_FILES, TensorStream, as_stream
 

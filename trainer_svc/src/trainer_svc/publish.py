@@ -73,7 +73,7 @@ from protocol.weights_dir import (
 )
 
 from .atomic_dir import PARTIAL_SUFFIX, move_into_place, remove_stale_partials, staging_dir
-from .model import Distributed
+from .distributed import Distributed
 from .weights_writer import TensorStream, write_weights_dir
 
 _SPOOL_STATES = ("requests", "claimed")  # where a request is pending or being served

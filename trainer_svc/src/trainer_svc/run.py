@@ -27,10 +27,9 @@ from .canary import Canary
 from .checkpoint import Checkpoint, RunState
 from .config import Config, dump
 from .data import PromptStream, check_chat_template, load_problems
+from .distributed import Distributed, init_distributed
 from .model import (
-    Distributed,
     compile_enabled,
-    init_distributed,
     load_policy,
     load_reference,
     load_tokenizer,

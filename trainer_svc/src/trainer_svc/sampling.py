@@ -36,7 +36,7 @@ import torch
 from . import grpo
 from .config import Config
 from .data import Problem, PromptStream
-from .model import Distributed
+from .distributed import Distributed
 from .reward_functions import GroupScores, Rewards
 from .rollout_types import Group, Ticket, WeightsRef
 from .spares import SpareSizer

@@ -55,7 +55,7 @@ from protocol.weight_slots import (
 from protocol.weights_dir import step_content_id
 
 from .config import Config
-from .model import Distributed
+from .distributed import Distributed
 from .publish import _named_by_spool
 from .weights_writer import COPIED_FILES, TensorStream, iter_full_tensors
 

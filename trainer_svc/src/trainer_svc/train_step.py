@@ -25,7 +25,8 @@ import torch.distributed as dist
 from . import corrections, grpo
 from .batch import Batch, collate, micro_batches, rank_share
 from .config import Config
-from .model import Distributed, compile_enabled
+from .distributed import Distributed
+from .model import compile_enabled
 from .sampling import StepRollouts
 
 # What a step that generated no tokens reports: there is no loss to take.

@@ -37,7 +37,7 @@ from . import publish as published
 from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .delta_publish import DeltaPublisher, deltas_wanted
-from .model import Distributed
+from .distributed import Distributed
 from .sampling import WeightsRef
 from .slot_publish import SlotRing, publish_slot, slots_choice
 from .weights_writer import iter_full_tensors, serving_dtype

@@ -70,7 +70,7 @@ import torch
 from protocol.weights_dir import MANIFEST, FileEntry, Manifest, encode_manifest
 
 from .atomic_dir import building
-from .model import Distributed
+from .distributed import Distributed
 from .safetensors_stream import (
     SAFETENSORS_DTYPES,
     BufferPool,
