@@ -29,6 +29,7 @@ Guarantees (tests/unit/test_many_hosts.py):
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -75,3 +76,14 @@ class HeartbeatWatch:
         """Drop what was seen of heartbeats that are gone (status files removed, claims moved)."""
         for key in [k for k in self._seen if k not in keys]:
             del self._seen[key]
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process with this pid lives on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -75,7 +75,7 @@ from typing import Annotated
 import msgspec
 
 from . import fsio
-from .leases import HeartbeatWatch
+from .leases import HeartbeatWatch, process_exists
 
 SLOT_MANIFEST = "slot.json"
 SLOT_DATA = "tensors.bin"
@@ -314,7 +314,7 @@ class LeaseJudge:
         return {s.worker_id: (s, seen) for _, s, seen in self.spool.heartbeats() if s is not None}
 
     def _dead(self, lease: Lease, statuses: dict, fs_now) -> bool:
-        if lease.host == self._host and lease.pid > 0 and not _process_exists(lease.pid):
+        if lease.host == self._host and lease.pid > 0 and not process_exists(lease.pid):
             return True  # its process is gone: nothing reads under it
         if lease.reader in statuses:
             status, seen = statuses[lease.reader]
@@ -325,13 +325,3 @@ class LeaseJudge:
             return True
         seen = self._watch.look(lease.path.name, mtime, lambda: fs_now() - mtime)
         return self._watch.dead(seen, self.default_lease_s)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True

@@ -56,6 +56,19 @@ import msgspec
 
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step_"
+# Config and tokenizer files a serving engine reads beside the weights, copied byte for byte so a
+# rollout worker recognises the same architecture and tokenizer and reloads in place.
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 Hex8 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8}$")]

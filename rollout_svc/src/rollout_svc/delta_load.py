@@ -49,8 +49,17 @@ from pathlib import Path
 import numpy as np
 
 from protocol import weight_delta, weights_chain
+from protocol.leases import process_exists
 from protocol.messages import ErrorCode
-from protocol.weights_dir import MANIFEST, Manifest, ManifestError, encode_manifest, read_manifest, step_of
+from protocol.weights_dir import (
+    COPIED_FILES,
+    MANIFEST,
+    Manifest,
+    ManifestError,
+    encode_manifest,
+    read_manifest,
+    step_of,
+)
 
 from .errors import RequestFailed
 from .weights import Weights, WeightsPolicy
@@ -58,17 +67,6 @@ from .weights import Weights, WeightsPolicy
 log = logging.getLogger(__name__)
 
 REBUILT_FILE = "model.safetensors"
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 READ_TRIES = 3
 _CACHE_PREFIX = "rollout-deltas-"  # + pid + "-" + random + "-": a cache directory of the loader's own
 _WIDTHS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -295,21 +293,11 @@ def _default_cache() -> Path:
     for entry in root.glob(f"{_CACHE_PREFIX}*-"):
         pid = entry.name.removeprefix(_CACHE_PREFIX).split("-", 1)[0]
         try:
-            if pid.isdigit() and entry.lstat().st_uid == os.getuid() and not _alive(int(pid)):
+            if pid.isdigit() and entry.lstat().st_uid == os.getuid() and not process_exists(int(pid)):
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             continue  # gone meanwhile
     return Path(tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{os.getpid()}-", suffix="-", dir=root))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _safe_name(content_id: str) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from protocol.fsio import fsync_dir, fsync_tree
+from protocol.leases import process_exists
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -78,7 +79,7 @@ def remove_stale_partials(parent: Path, stem: str = "") -> list[Path]:
         if not (name.startswith("." + stem) and name.endswith(PARTIAL_SUFFIX)):
             continue
         pid = name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[-1]
-        if not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
+        if not pid.isdigit() or (int(pid) != os.getpid() and process_exists(int(pid))):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
@@ -122,13 +123,3 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
         return False
     raise OSError(err, f"swapping {a} with {b}: {os.strerror(err)}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -41,6 +41,7 @@ import torch
 from safetensors import SafetensorError
 
 from protocol.weights_dir import (
+    COPIED_FILES,
     MANIFEST,
     STEP_PREFIX,
     Manifest,
@@ -53,7 +54,6 @@ from protocol.weights_dir import (
 
 from .atomic_dir import building
 from .distributed import Distributed
-from .weights_writer import COPIED_FILES
 
 log = logging.getLogger(__name__)
 

@@ -45,13 +45,13 @@ import torch
 from protocol import weight_delta
 from protocol.watch import filesystem_type, needs_polling
 from protocol.weights_chain import DELTA_FILE
-from protocol.weights_dir import MANIFEST, STEP_PREFIX, Manifest, encode_manifest, step_content_id
+from protocol.weights_dir import COPIED_FILES, MANIFEST, STEP_PREFIX, Manifest, encode_manifest, step_content_id
 
 from . import publish as published
 from .atomic_dir import building, remove_stale_partials
 from .distributed import Distributed
 from .safetensors_stream import write_small
-from .weights_writer import COPIED_FILES, TensorStream, as_stream
+from .weights_writer import TensorStream, as_stream
 
 log = logging.getLogger(__name__)
 

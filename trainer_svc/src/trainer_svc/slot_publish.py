@@ -52,12 +52,12 @@ from protocol.weight_slots import (
     ring_dir,
     slot_dir_name,
 )
-from protocol.weights_dir import step_content_id
+from protocol.weights_dir import COPIED_FILES, step_content_id
 
 from .config import Config
 from .distributed import Distributed
 from .publish import _named_by_spool
-from .weights_writer import COPIED_FILES, TensorStream, iter_full_tensors
+from .weights_writer import TensorStream, iter_full_tensors
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-from protocol.weights_dir import MANIFEST, FileEntry, Manifest, encode_manifest
+from protocol.weights_dir import COPIED_FILES, MANIFEST, FileEntry, Manifest, encode_manifest
 
 from .atomic_dir import building
 from .distributed import Distributed
@@ -83,19 +83,6 @@ from .safetensors_stream import (
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Config and tokenizer files a serving engine reads beside the weights, copied byte for byte so a
-# rollout worker recognises the same architecture and tokenizer and reloads in place.
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the shard size most published checkpoints use
 # max_shard_bytes=None: a model is spread over one shard per writer thread, so its files are
