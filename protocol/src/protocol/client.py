@@ -159,15 +159,18 @@ class SpoolClient:
             waker.wait(min(self.rescan_s, max(0.0, deadline - now), 1.0))
 
     def describe(self, request_ids: list[str], limit: int = 5) -> str:
-        """Where each of the first `limit` ids is: done, queued, claimed by whom, or missing."""
+        """Where each of the first `limit` ids is: done, queued, claimed by whom, or missing.
+        From listings, and done/ by name, like `wait`: a lookup by name of a result not yet
+        written would hide it from this host for as long as its negative cache lasts."""
         claimed = {}
         for entry in self.spool.entries("claimed"):
             original, worker_id = split_claimed_name(entry.name)
             claimed[id_from_name(original)] = worker_id
         queued = set(os.listdir(self.spool.requests))
+        published = set(os.listdir(self.spool.results))
         parts = []
         for request_id in request_ids[:limit]:
-            if self.spool.has_result(request_id):
+            if name_for_id(request_id) in published or os.path.lexists(self.spool.consumed_result_path(request_id)):
                 parts.append(f"{request_id} (done)")
             elif request_id in claimed:
                 parts.append(f"{request_id} (claimed by {claimed[request_id]})")
