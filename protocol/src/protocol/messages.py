@@ -62,6 +62,9 @@ class ErrorCode(str, enum.Enum):
     PROMPT_TOO_LONG = "prompt_too_long"  # a prompt exceeds what the engine accepts
     ENGINE_ERROR = "engine_error"  # the engine raised serving a valid request (crashed, out of memory, process gone)
     NO_CHAT_TEMPLATE = "no_chat_template"  # `messages` given, but the loaded model's tokenizer has no chat template
+    # weights_dir is a LoRA adapter this worker cannot serve: its base is not the model loaded (by
+    # content id), its rank exceeds --max-lora-rank, or the worker was started without LoRA
+    ADAPTER_REFUSED = "adapter_refused"
 
     @property
     def rejects_input(self) -> bool:

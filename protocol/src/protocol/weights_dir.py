@@ -6,11 +6,15 @@ a person) reads. One definition for both sides.
         model.safetensors, or model-0000k-of-0000N.safetensors + model.safetensors.index.json
         manifest.json        written last: a `Manifest` (the step, the content id, the files)
 
+    or, a LoRA adapter of a base model (PEFT's layout; the manifest's `adapter` names the base):
+        adapter_model.safetensors, adapter_config.json, manifest.json
+
 API:
 
     MANIFEST, STEP_PREFIX
     step_dir_name(step) -> "step_00000012"          step_of(name) -> 12, or None for other names
-    Manifest, FileEntry, Source                        the manifest's fields (msgspec structs)
+    Manifest, FileEntry, Source, Adapter               the manifest's fields (msgspec structs)
+    ADAPTER_WEIGHTS, ADAPTER_CONFIG                    an adapter directory's files (PEFT's names)
     read_manifest(directory) -> Manifest               or ManifestError naming the file and the field
     decode_manifest(data, where) -> Manifest           the same, on bytes already read
     encode_manifest(manifest, *, canonical=False) -> bytes
@@ -40,6 +44,9 @@ Guarantees:
   canonical: sorted keys, indent 2, a final newline, so the same import gives the same bytes.
 - A delta publish is a step directory whose manifest names `delta_base` (the content id it
   applies to) and whose weights are one encoded delta (protocol.weights_chain), not shards.
+- An adapter directory (a LoRA publish) is one whose manifest carries `adapter`: the content id
+  of the base model it applies to and its rank. It holds PEFT's two files and no config.json; a
+  worker serves it on the base it names (by content id), never alone.
 - Step directories are `step_` and the step in at least 8 digits; `step_of` reads any number of
   digits, so the order of steps is the numbers', not the names'.
 """
@@ -70,6 +77,10 @@ COPIED_FILES = (
     "chat_template.jinja",
 )
 
+# A LoRA adapter's files, as PEFT's save_pretrained names them (and vLLM's LoRA loader reads them).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 Hex8 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8}$")]
 Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
@@ -95,6 +106,15 @@ class Source(msgspec.Struct, kw_only=True):
     sha256: Hex64  # of the source file
 
 
+class Adapter(msgspec.Struct, kw_only=True):
+    """What makes a weights directory a LoRA adapter: the base it applies to and its size."""
+
+    base_content_id: Annotated[str, msgspec.Meta(min_length=1)]  # weights_content_id of the base model
+    rank: Annotated[int, msgspec.Meta(ge=1)]  # LoRA rank r: a worker serves adapters up to its --max-lora-rank
+    alpha: float  # LoRA alpha: the update is scaled by alpha / rank
+    target_modules: list[str]  # the base model's modules the adapter changes ("q_proj", ...)
+
+
 class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """manifest.json: the last file written into a weights directory.
 
@@ -116,6 +136,9 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A delta publish (protocol.weights_chain): the content id of the weights its one file
     # (weights_chain.DELTA_FILE) applies to. None: the directory holds the weights whole.
     delta_base: str | None = None
+    # A LoRA adapter (ADAPTER_WEIGHTS and ADAPTER_CONFIG, no config.json): the base model it applies
+    # to and its rank. None: the directory holds a whole model (or a delta of one).
+    adapter: Adapter | None = None
 
     def __post_init__(self) -> None:
         for name in self.files or {}:
