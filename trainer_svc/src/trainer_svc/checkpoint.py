@@ -4,7 +4,9 @@ sync is separate: weight_sync publishes the weights alone, every step.)
 
     run_dir/checkpoints/step_00000012/
         config.json, generation_config.json, tokenizer files   copied from the base model
-        model.safetensors (or shards + index)                 the policy's weights
+        model.safetensors (or shards + index)                 the policy's weights; with LoRA the
+                                                              adapter alone (adapter_model.safetensors,
+                                                              adapter_config.json: PEFT's layout)
         manifest.json                                         step, content id, base model (protocol.weights_dir)
         PINNED                                                when the tripwire fired: never pruned
         rollout_weights/                                      between two publishes: a copy of the
@@ -50,10 +52,12 @@ from protocol.weights_dir import (
     step_content_id,
     step_dir_name,
     step_of,
+    weights_content_id,
 )
 
 from .atomic_dir import building
 from .distributed import Distributed
+from .lora import adapter_of, adapter_tensors, is_adapter, load_adapter_tensors, save_adapter_files
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +157,8 @@ def save(
     """Write checkpoint `step` (all ranks call; rank 0 writes). Returns it on rank 0. With
     `pin_reason` it is written pinned (never pruned); with `rollout_weights` (a published
     directory) it keeps a copy of them."""
-    weights = full_state_dict(model, dist_info)
+    adapter = is_adapter(model)  # LoRA: the adapter alone, in PEFT's layout; the base is model.path's
+    weights = adapter_tensors(model, dist_info) if adapter else full_state_dict(model, dist_info)
     optimizer_state = full_optimizer_state(model, optimizer, dist_info)
     if not dist_info.is_main:
         return None
@@ -162,16 +167,25 @@ def save(
     try:
         # A save of this step from a run that stopped before recording it is replaced whole.
         with building(final) as staging:
-            _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
-            for name in COPIED_FILES:
-                if (base_model / name).exists():
-                    shutil.copyfile(base_model / name, staging / name)
+            if adapter:
+                save_adapter_files(staging, model, weights, base_model)
+            else:
+                _unwrap(model).save_pretrained(staging, state_dict=weights, safe_serialization=True)
+                for name in COPIED_FILES:
+                    if (base_model / name).exists():
+                        shutil.copyfile(base_model / name, staging / name)
             state_dir = staging / STATE_DIR
             state_dir.mkdir()
             torch.save(optimizer_state, state_dir / "optimizer.pt")
             _save_rng(state_dir / "rng.safetensors")
             (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
-            manifest = Manifest(step=step, content_id=content_id, base_model=str(base_model), created_at=time.time())
+            manifest = Manifest(
+                step=step,
+                content_id=content_id,
+                base_model=str(base_model),
+                created_at=time.time(),
+                adapter=adapter_of(model, weights_content_id(base_model)) if adapter else None,
+            )
             (staging / MANIFEST).write_bytes(encode_manifest(manifest))
             if rollout_weights is not None:
                 link_or_copy_tree(rollout_weights, staging / ROLLOUT_WEIGHTS)
@@ -295,7 +309,9 @@ def restore(run_dir: Path, model, optimizer, scheduler, stream, tripwire, dist_i
     if found is None:
         return RunState(), None
     weights = load_weights(found.path)
-    if dist_info.world_size == 1:
+    if is_adapter(model):
+        load_adapter_tensors(model, weights, dist_info, found.path)
+    elif dist_info.world_size == 1:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
         if unexpected or set(missing) - tied:

@@ -317,6 +317,39 @@ class LogConfig(Struct):
     close_timeout_s: NonNegativeFloat = 60.0  # longest wait at the end for a backend to send what it holds
 
 
+# The linear projections of a Llama, Qwen or Mistral decoder layer (attention and MLP).
+DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Modules a served adapter may not change: the rollout engine (vLLM) applies LoRA to linear layers
+# of the decoder; an adapter of these would train a model no worker serves.
+UNSERVED_LORA_MODULES = ("lm_head", "embed_tokens")
+
+
+class LoraConfig(Struct):
+    """LoRA (trainer_svc.lora): train a PEFT adapter on the frozen base model; a publish is the
+    adapter alone, which workers serve on the base they hold (rollout-svc serve --max-lora-rank)."""
+
+    rank: NonNegative = 0  # LoRA rank r; 0: off (the whole model trains)
+    alpha: PositiveFloat = 16.0  # the update is scaled by alpha / rank
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0  # on the adapter's input, in training only
+    # The modules the adapter changes, by the last part of their names.
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(DECODER_PROJECTIONS))
+
+    def __post_init__(self) -> None:
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the modules the adapter changes, e.g. q_proj, v_proj")
+        unserved = [name for name in self.target_modules if name in UNSERVED_LORA_MODULES]
+        if self.rank and unserved:
+            raise ValueError(
+                f"lora.target_modules names {unserved}: the rollout engine serves adapters of the decoder's linear "
+                f"layers only, so an adapter of these could not be sampled from; leave them out (the default is "
+                f"{list(DECODER_PROJECTIONS)})"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.rank > 0
+
+
 class Config(Struct):
     run: RunConfig
     model: ModelConfig
@@ -331,7 +364,18 @@ class Config(Struct):
     tripwire: TripwireConfig = msgspec.field(default_factory=TripwireConfig)
     band: BandConfig = msgspec.field(default_factory=BandConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     sft: SftConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora.on:
+            for key in ("slots", "delta"):
+                if getattr(self.publish, key) == "on":
+                    raise ValueError(
+                        f'publish.{key} = "on" with lora.rank = {self.lora.rank}: a LoRA publish is the adapter '
+                        f"alone (megabytes), its directory is the weight sync; {key} apply to whole weights. Set "
+                        f'publish.{key} to "auto" or "off"'
+                    )
 
     @property
     def run_dir(self) -> Path:

@@ -37,11 +37,18 @@ def load_policy(
     *,
     activation_checkpointing: bool = False,
     compiled: bool = False,
+    lora=None,
 ):
+    """`lora` (a LoraConfig with rank > 0): a PEFT adapter on the frozen model (trainer_svc.lora),
+    put on before the layers are compiled or sharded."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dist_info.device)
     model.config.use_cache = False
+    if lora is not None and lora.on:
+        from .lora import with_adapter
+
+        model = with_adapter(model, lora)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled:
@@ -77,8 +84,11 @@ def compile_layers(model) -> None:
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated blocks of an HF causal LM (model.model.layers for Llama, Qwen, Mistral...)."""
-    inner = getattr(model, "model", None)
+    """The repeated blocks of an HF causal LM (model.model.layers for Llama, Qwen, Mistral...),
+    also under a PEFT adapter."""
+    from .lora import base_of
+
+    inner = getattr(base_of(model), "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers) to shard")

@@ -115,7 +115,7 @@ class RolloutService:
                 f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
             )
         ring = None  # the run's slot ring, where its weights may be published (weight_sync)
-        if cfg.publish.slots != "off" and Path(cfg.publish.slots_dir).is_dir():
+        if cfg.publish.slots != "off" and not cfg.lora.on and Path(cfg.publish.slots_dir).is_dir():
             ring = ring_dir(cfg.publish.slots_dir, cfg.run_dir)
             ring.mkdir(exist_ok=True)  # an allowed root must exist when the worker starts
         command = [
@@ -136,6 +136,9 @@ class RolloutService:
             *(["--allowed-root", str(ring)] if ring is not None else []),
             "--idle-exit",
             str(WORKER_IDLE_EXIT_S),
+            # LoRA: the engine serves the run's adapters on the base it loaded (its own limits
+            # cache them: the adapters of a step's requests and of those ahead).
+            *(["--max-lora-rank", str(cfg.lora.rank)] if cfg.lora.on else []),
             *cfg.rollout.worker_args,
         ]
         cfg.publish_dir.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from .checkpoint import Checkpoint, RunState
 from .config import Config, dump
 from .data import PromptStream, check_chat_template, load_problems
 from .distributed import Distributed, init_distributed
+from .lora import AdapterDisabled
 from .model import (
     compile_enabled,
     load_policy,
@@ -233,8 +234,11 @@ def load_trainable(cfg: Config, dist_info: Distributed, tokenizer) -> Policy:
         dist_info,
         activation_checkpointing=cfg.model.activation_checkpointing,
         compiled=compile_enabled(cfg.model.compile, dist_info.device),
+        lora=cfg.lora,
     )
-    reference = load_reference(cfg.model.path, dtype, dist_info.device) if cfg.loss.kl_coef > 0 else None
+    reference = None
+    if cfg.loss.kl_coef > 0:  # with LoRA the starting model is the policy with its adapter off
+        reference = AdapterDisabled(model) if cfg.lora.on else load_reference(cfg.model.path, dtype, dist_info.device)
     optimizer = make_optimizer(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Policy(model, reference, optimizer, make_scheduler(optimizer, cfg), pad_id)

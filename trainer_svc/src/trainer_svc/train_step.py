@@ -241,8 +241,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def make_optimizer(model, cfg: Config) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA adapter's alone
     return torch.optim.AdamW(
-        model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+        trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
     )
 
 

@@ -12,7 +12,9 @@ previous one (delta_publish), which the workers rebuild from its chain. Where th
 this host (`publish.slots`), a publish goes into a ring of shared-memory slots instead
 (slot_publish), which the requests name the same way; a directory is still written every
 `publish.dir_every` steps and at the last one (the portable form), and whenever no slot is free
-within `publish.slots_wait_s`. Its cost is the weights' bytes, never the optimizer's: resume
+within `publish.slots_wait_s`. With LoRA (`[lora]` rank > 0) a publish is the adapter alone
+(adapter_publish: megabytes, PEFT's layout), which the workers apply to the base they hold: no
+slots, no deltas, and never a reload of the base. Its cost is the weights' bytes, never the optimizer's: resume
 checkpoints are a separate, slower cadence. Old directories are pruned unless a pending or
 claimed request still names them; slots are rewritten in turn (slot_publish says when).
 
@@ -30,10 +32,11 @@ import torch
 
 from protocol import weight_delta, weights_chain
 from protocol.weight_slots import ring_dir
-from protocol.weights_dir import MANIFEST
+from protocol.weights_dir import MANIFEST, weights_content_id
 
 from . import outputs
 from . import publish as published
+from .adapter_publish import publish_adapter
 from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .delta_publish import DeltaPublisher, deltas_wanted
@@ -53,17 +56,27 @@ class WeightSync:
         self.dtype = {"auto": serving_dtype(dist_info.device), "float32": torch.float32, "bfloat16": torch.bfloat16}[
             cfg.publish.dtype
         ]
+        # LoRA: a publish is the adapter alone (adapter_publish), applied by the workers to the base
+        # whose content id it names; slots and deltas are for whole weights.
+        self.base_content_id = weights_content_id(cfg.model.path) if cfg.lora.on else None
         self.deltas_on, self.deltas_why = deltas_wanted(cfg.publish.delta, self.dir)
+        self.deltas_on = self.deltas_on and not cfg.lora.on
         self.deltas = DeltaPublisher(cfg.publish.delta_anchor_every) if self.deltas_on else None
 
         # The slot ring, on rank 0 (None: directories only); `path` says which, for the banner.
-        ring, self.path = dist_info.from_rank0(slots_choice(cfg) if dist_info.is_main else None)
+        choice = slots_choice(cfg) if dist_info.is_main and not cfg.lora.on else (None, "")
+        ring, self.path = dist_info.from_rank0(choice if dist_info.is_main else None)
         self.slots = SlotRing.for_run(cfg, ring) if ring is not None and dist_info.is_main else None
         self.slotted = ring is not None
         self.republish_into: Path | None = None  # after a resume: the slot the requests named
 
     def describe(self) -> str:
         """For the banner: where publishes go, in which form, and why."""
+        if self.cfg.lora.on:
+            return (
+                f"LoRA adapter directories in {self.dir} (rank {self.cfg.lora.rank}, on base {self.base_content_id}): "
+                "the adapter directory is the sync; slots and deltas apply to whole weights"
+            )
         directories = outputs.describe_weight_sync(self.cfg)  # full directories or sparse deltas, and why
         return f"{self.path}; its directories: {directories}" if self.slotted else f"{self.path}: {directories}"
 
@@ -112,6 +125,18 @@ class WeightSync:
         return self.dist_info.from_rank0(ref)
 
     def publish_dir(self, model, step: int) -> WeightsRef:
+        if self.cfg.lora.on:
+            record = publish_adapter(
+                step,
+                model,
+                publish_dir=self.dir,
+                base_model=Path(self.cfg.model.path),
+                base_content_id=self.base_content_id,
+                dist_info=self.dist_info,
+                run_name=self.cfg.run_dir.name,
+                dtype=self.dtype,
+            )
+            return self._published(record)
         write = self.deltas.publish if self.deltas is not None else published.publish
         record = write(
             step,
@@ -122,6 +147,10 @@ class WeightSync:
             run_name=self.cfg.run_dir.name,
             dtype=self.dtype,
         )
+        return self._published(record)
+
+    def _published(self, record: published.Published | None) -> WeightsRef:
+        """The WeightsRef of a publish, on every rank, once rank 0 has pruned the older ones."""
         ref = None
         if record is not None:  # rank 0
             published.prune_published(self.dir, self.cfg.publish.keep_last, self.cfg.spool_dir)
