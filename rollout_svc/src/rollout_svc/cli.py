@@ -145,6 +145,17 @@ def serve(
             "1 keeps them in host memory (for the same weights back).",
         ),
     ] = 2,
+    max_lora_rank: Annotated[
+        int,
+        typer.Option(
+            help="vllm: serve LoRA adapters (a weights_dir whose manifest names its base) up to this rank on the "
+            "loaded model, without reloading it; 0: no LoRA.",
+        ),
+    ] = _VLLM["max_lora_rank"],
+    max_loras: Annotated[int, typer.Option(help="vllm with LoRA: adapters in one engine call.")] = _VLLM["max_loras"],
+    max_cpu_loras: Annotated[
+        int, typer.Option(help="vllm with LoRA: adapters kept in host memory; the least recent is evicted past it.")
+    ] = _VLLM["max_cpu_loras"],
     metrics_dir: Annotated[
         Path | None, typer.Option(help="Write a Prometheus textfile here (node_exporter's textfile collector).")
     ] = None,
@@ -205,6 +216,9 @@ def serve(
             sleep_level=sleep_level if sleep_when_idle else None,
             seed=seed,
             reader_id=worker_id,  # a weight slot's lease is this worker's, kept by its heartbeat
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
         )
     config = WorkerConfig(
         worker_id=worker_id,

@@ -115,7 +115,7 @@ class WeightsPolicy:
             manifest = _slot_manifest(real, weights_dir)
             return Weights(weights_dir, real, manifest.content_id, config, (), manifest.bytes, manifest)
         shards = _shards(real, weights_dir)
-        size_bytes = sum(_check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
+        size_bytes = sum(check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
         return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards), size_bytes)
 
 
@@ -188,7 +188,7 @@ def _shards(real: str, shown: str) -> list[str]:
     return shards
 
 
-def _check_safetensors_header(path: Path, shown: str) -> int:
+def check_safetensors_header(path: Path, shown: str) -> int:
     """A shard is corrupt when its header is unreadable or its tensors run past the end of
     the file (a truncated copy). Reads only the header, not the tensors; returns the file's size."""
     try:

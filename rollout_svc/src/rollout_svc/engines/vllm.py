@@ -1,6 +1,10 @@
 """The vLLM engine: one `LLM` in a process of its own, its weights reloaded in place when a request
 names others, asleep when the worker asks, rebuilt in a new process when nothing else works.
 
+A LoRA adapter (rollout_svc.adapters; the engine started with --max-lora-rank) is served on the
+live weights when they are its base (by content id): checked and copied once, added to vLLM's
+adapter cache, named in the call (vLLM's LoRARequest); the base is never reloaded for it.
+
 A delta publish (protocol.weights_chain) is rebuilt first into a directory of the worker's own
 (rollout_svc.delta_load), which then loads like any other. Weight changes, cheapest path first:
 - same directory and content id as loaded (and awake): nothing to do;
@@ -34,20 +38,22 @@ from typing import NamedTuple
 
 from protocol.messages import ErrorCode, Request
 from protocol.weight_slots import SlotError, read_slot_manifest
-from protocol.weights_dir import weights_content_id
+from protocol.weights_dir import ADAPTER_WEIGHTS, weights_content_id
 
+from ..adapters import Adapters, adapter_manifest
 from ..delta_load import DeltaLoader
 from ..errors import RequestFailed
 from ..slot_load import SlotChanged, slot_lease
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
 from .host import EngineHost, HostDied, HostError, descendants
-from .vllm_host import EngineSpec, describe
+from .vllm_host import AdapterRef, EngineSpec, describe
 
 log = logging.getLogger(__name__)
 
 HOST_MODULE = "rollout_svc.engines.vllm_host"
 SLEEP_LEVELS = (1, 2)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts (0.32)
 LOAD_TRIES = 3  # loads of a directory that keeps being replaced under them, before its request fails
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -91,10 +97,15 @@ class VllmEngine:
         sleep_level: int | None = None,
         seed: int = 0,
         reader_id: str | None = None,
+        max_lora_rank: int = 0,
+        max_loras: int = 1,
+        max_cpu_loras: int = 4,
     ):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPU. `sleep_level` None builds the
         engine without vLLM's sleep mode; 1 (weights kept in host memory) or 2 (weights
-        discarded, reloaded from disk at wake) is the level `sleep()` uses."""
+        discarded, reloaded from disk at wake) is the level `sleep()` uses. `max_lora_rank` above
+        0 serves LoRA adapters up to that rank on the loaded weights (rollout_svc.adapters), at most
+        `max_loras` in one engine call, `max_cpu_loras` kept in the engine's cache."""
         if sleep_level is not None and sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level {sleep_level} is not 1 or 2; set --sleep-level to 1 or 2")
         if sleep_level is not None and device == "cpu":
@@ -110,6 +121,19 @@ class VllmEngine:
         self.policy = policy
         self.deltas = DeltaLoader(policy)  # keeps the copy a chain of delta publishes is applied to
         self.sleep_level = sleep_level
+        if max_lora_rank < 0 or max_lora_rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(
+                f"--max-lora-rank {max_lora_rank} is outside 0..{VLLM_LORA_RANKS[-1]} (0: no LoRA); choose a rank "
+                "at least that of the adapters to serve"
+            )
+        if max_lora_rank and not 1 <= max_loras <= max_cpu_loras:
+            raise ValueError(
+                f"--max-loras {max_loras} and --max-cpu-loras {max_cpu_loras}: need 1 <= max-loras <= max-cpu-loras "
+                "(adapters in one engine call, adapters kept in host memory)"
+            )
+        self.adapters = Adapters(policy, max_lora_rank, keep=max_cpu_loras)
+        self.adapter: AdapterRef | None = None  # the adapter of the last call, on the live weights
+        self.adapter_dir: str | None = None  # its directory, as the request named it
         self.spec = EngineSpec(
             device=device,
             dtype=dtype if dtype != "auto" else ("float32" if device == "cpu" else "bfloat16"),
@@ -119,6 +143,10 @@ class VllmEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_gib=kv_cache_gib,
             sleep_mode=sleep_level is not None,
+            # vLLM sizes its LoRA buffers for one of its ranks: the smallest that holds max_lora_rank.
+            lora_rank=next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), 0) if max_lora_rank else 0,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
         )
         self._on_state: StateListener = ignore_state
         self.host: EngineHost | None = None
@@ -132,10 +160,15 @@ class VllmEngine:
 
     @property
     def weights_dir(self) -> str | None:
+        """What the last call served: its adapter's directory, or the live weights'."""
+        if self.adapter is not None and self.weights is not None:
+            return self.adapter_dir
         return self.weights.path if self.weights else None
 
     @property
     def weights_content_id(self) -> str | None:
+        if self.adapter is not None and self.weights is not None:
+            return self.adapter.content_id
         return self.weights.content_id if self.weights else None
 
     def set_state_listener(self, listener: StateListener) -> None:
@@ -295,16 +328,49 @@ class VllmEngine:
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Serve requests that share weights_dir in one engine call."""
+        """Serve requests that share weights_dir in one engine call: full weights made live, or
+        a LoRA adapter on the live weights it names as its base."""
         first = requests[0]
-        load = self.load(first.weights_dir, first.weights_content_id)
+        manifest = adapter_manifest(first.weights_dir)
+        if manifest is None:
+            self.adapter = None
+            load = self.load(first.weights_dir, first.weights_content_id)
+        else:
+            load = self._load_adapter(first, manifest)
         self._on_state("generating")
         try:
-            completions = self.host.call("generate", requests)
+            completions = self.host.call("generate", requests, self.adapter)
         except HostDied:
             self.close()  # whatever is left of it goes; the next load builds a new engine
             raise
         return [dataclasses.replace(c, reload_s=load.seconds, reload_bytes=load.bytes) for c in completions]
+
+    def _load_adapter(self, request: Request, manifest) -> Load:
+        """Make the adapter `request` names servable: its base live (loaded from the manifest's
+        base_model when the engine holds nothing), the adapter checked, copied and in the engine's
+        cache. Returns what that cost; an adapter of another base than the live one is refused."""
+        self.adapter = None
+        wanted = manifest.adapter.base_content_id
+        live = self.weights if self.host is not None and self.host.alive() else None
+        adapter = self.adapters.prepare(request.weights_dir, manifest, request.weights_content_id)
+        if live is None and manifest.base_model and _content_id_of(manifest.base_model) == wanted:
+            load = self.load(manifest.base_model, wanted)  # a fresh worker: the base the adapter names
+        elif live is not None and live.content_id == wanted:
+            load = self.load(live.path, wanted)  # ALREADY_LIVE, or a wake
+        else:
+            serving = f"serves {live.path} (content id {live.content_id})" if live else "holds no model"
+            raise RequestFailed(
+                ErrorCode.ADAPTER_REFUSED,
+                f"weights_dir {request.weights_dir} is a LoRA adapter of the base model with content id {wanted} "
+                f"({manifest.base_model or 'path not recorded'}); this worker {serving}. Send it to a worker "
+                "serving its base, or name that base model in a request first",
+            )
+        started = time.monotonic()
+        self._on_state("reloading")
+        added = self.host.call("add_adapter", adapter)
+        self.adapter, self.adapter_dir = adapter, request.weights_dir
+        read = os.path.getsize(os.path.join(adapter.path, ADAPTER_WEIGHTS)) if added else 0
+        return Load(load.seconds + (time.monotonic() - started if added else 0.0), load.bytes + read)
 
     def probe(self, method: str, *args):
         """Run a WeightProbe method (vllm_extension) next to the engine's tensors; for checks."""
@@ -317,9 +383,17 @@ class VllmEngine:
     def close(self) -> None:
         """End the engine's processes; returns once they are gone, and their device memory with them."""
         host, self.host = self.host, None
-        self.weights, self.asleep = None, False
+        self.weights, self.asleep, self.adapter = None, False, None
+        self.adapters.close()  # the engine's cache went with it
         if host is not None:
             host.close()
+
+
+def _content_id_of(directory: str) -> str | None:
+    try:
+        return weights_content_id(directory)
+    except OSError:
+        return None
 
 
 def _vllm_version() -> str:

@@ -1,7 +1,7 @@
 """The process that holds one vLLM engine for VllmEngine (engines/host.py says why a process).
 
 Started as `python -m rollout_svc.engines.vllm_host COMMANDS ANSWERS`; it answers, in order:
-`build` (once), `reload`, `generate`, `sleep`, `wake`, `facts`, `probe`, `shutdown`. A new
+`build` (once), `reload`, `add_adapter`, `generate`, `sleep`, `wake`, `facts`, `probe`, `shutdown`. A new
 architecture or tokenizer, or a failed reload, is a new process, never a second `LLM` here.
 
 Guarantees:
@@ -16,6 +16,9 @@ Guarantees:
   token was drawn from (temperature and top-p applied), which is what an importance ratio needs;
 - vLLM's sampler runs where flashinfer is absent: unless VLLM_USE_FLASHINFER_SAMPLER is set,
   it is set to 0 when flashinfer does not import (vLLM would otherwise ask for it and die);
+- with LoRA (an EngineSpec with lora_rank) a request may be served with an adapter on the live
+  weights: vLLM's LoRARequest, the base never reloaded; vLLM caches adapters by id and evicts the
+  least recent past max_cpu_loras;
 - sleep level 2 drops the weights: waking reloads them from the directory named (the same or
   new ones) between waking the weights' memory and the KV cache's, as vLLM prescribes.
 """
@@ -59,6 +62,11 @@ class EngineSpec:
     gpu_memory_utilization: float
     kv_cache_gib: float  # CPU only
     sleep_mode: bool  # build with vLLM's sleep mode (GPU only)
+    # LoRA: the largest adapter rank the engine is sized for, one of vLLM's (0: built without LoRA);
+    # adapters in one engine call; adapters kept in host memory (vLLM evicts the least recent).
+    lora_rank: int = 0
+    max_loras: int = 1
+    max_cpu_loras: int = 4
 
 
 class StaleWeights(RuntimeError):
@@ -109,6 +117,7 @@ class LiveEngine:
             load_format="dummy" if weights.slot is not None else "safetensors",  # never unpickle a checkpoint
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
+            **lora_options(spec),
         )
         self.post_process = needs_post_processing(spec.device, self.llm.llm_engine.model_config.quantization)
         if weights.slot is not None:
@@ -155,8 +164,20 @@ class LiveEngine:
             time.monotonic() - awake,
         )  # fmt: skip
 
-    def generate(self, requests: list[Request]) -> list[Completion]:
-        """Serve requests that share the live weights in one engine call."""
+    def add_adapter(self, adapter: AdapterRef) -> float:
+        """Load a LoRA adapter into the engine's cache (vLLM's own: the least recent evicted past
+        max_cpu_loras); returns the seconds it took, 0 when the engine holds it already."""
+        if adapter.lora_id in self.llm.llm_engine.list_loras():
+            return 0.0
+        started = time.monotonic()
+        self.llm.llm_engine.add_lora(lora_request(adapter))
+        seconds = time.monotonic() - started
+        log.info("adapter %s (%s) loaded in %.3f s", adapter.content_id, adapter.path, seconds)
+        return seconds
+
+    def generate(self, requests: list[Request], adapter: AdapterRef | None = None) -> list[Completion]:
+        """Serve requests that share the live weights in one engine call (with `adapter`: those
+        weights and that LoRA adapter)."""
         started = time.monotonic()
         tokenizer = self.llm.get_tokenizer()
         max_len = self.llm.llm_engine.model_config.max_model_len
@@ -169,7 +190,8 @@ class LiveEngine:
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
             params += [sampling_params(request, i) for i in range(len(ids_per_prompt))]
         called = time.monotonic()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        lora = lora_request(adapter) if adapter is not None else None
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         answered = time.monotonic()
         completions = [
             _completion(outputs[start : start + count], tokenizer, detokenized=bool(request.stop))
@@ -291,6 +313,30 @@ class SlotSource:
 
     def close(self) -> None:
         self.slot.close()
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter the engine serves: vLLM's id for it, and the worker's copy of its files."""
+
+    lora_id: int  # vLLM's cache key: one per content id
+    content_id: str
+    path: str  # the worker's verified copy (rollout_svc.adapters)
+
+
+def lora_request(adapter: AdapterRef):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.content_id, adapter.lora_id, adapter.path)
+
+
+def lora_options(spec: EngineSpec) -> dict:
+    """vLLM's LoRA settings for an engine built with `spec` (none without LoRA)."""
+    if not spec.lora_rank:
+        return {}
+    return dict(
+        enable_lora=True, max_lora_rank=spec.lora_rank, max_loras=spec.max_loras, max_cpu_loras=spec.max_cpu_loras
+    )
 
 
 def needs_post_processing(device: str, quantization: str | None) -> bool:
@@ -453,6 +499,7 @@ def main(argv: list[str]) -> None:
             "build": engine.build,
             "reload": engine.reload,
             "generate": engine.generate,
+            "add_adapter": engine.add_adapter,
             "sleep": engine.sleep,
             "wake": engine.wake,
             "facts": engine.facts,
