@@ -1,5 +1,5 @@
-"""`trainer-svc`: train (GRPO), sft (warm-up), band, plot, import-gguf. Heavy imports happen inside commands, so
-`--help` and config errors are instant. Exit codes: protocol.exit_codes (README table)."""
+"""`trainer-svc`: train (GRPO), sft (warm-up), band, plot, import-gguf, merge-adapter. Heavy imports happen
+inside commands, so `--help` and config errors are instant. Exit codes: protocol.exit_codes (README table)."""
 
 from __future__ import annotations
 
@@ -228,6 +228,30 @@ def _follow(run_dir: Path, out: Path | None, every: float) -> None:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     how = "finished" if result.get("finished") else f"stopped with exit code {result.get('exit_code')}"
     typer.echo(f"the run {how}")
+
+
+@app.command("merge-adapter")
+def merge_adapter(
+    adapter_dir: Annotated[
+        Path, typer.Argument(help="A LoRA publish or checkpoint directory (its manifest names the base).")
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="The HF directory to write; an existing one is replaced whole.")],
+    base: Annotated[
+        Path | None, typer.Option(help="The base model directory; default the one the adapter's manifest names.")
+    ] = None,
+) -> None:
+    """Merge a LoRA adapter into its base model and write the result as a full HF directory (export;
+    a rollout worker or model.path loads it as ordinary weights)."""
+    from .merge_adapter import MergeRefused
+    from .merge_adapter import merge_adapter as merge
+
+    try:
+        written = merge(adapter_dir, out_dir, base)
+    except MergeRefused as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    typer.echo(
+        f"merged {adapter_dir} into {written.path} ({written.bytes / 2**20:.1f} MiB, content id {written.content_id})"
+    )
 
 
 @app.command("import-gguf")
