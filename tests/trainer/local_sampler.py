@@ -39,6 +39,19 @@ def _from_slot(slot: str, content_id: str | None):
     return model
 
 
+def _from_adapter(adapter_dir: str, manifest):
+    """A LoRA publish on the base its manifest names, as a worker serves it: PEFT applies the
+    adapter (PEFT's loader reads the trainer's files as its own); the base is checked by content id."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from protocol.weights_dir import weights_content_id
+
+    assert weights_content_id(manifest.base_model) == manifest.adapter.base_content_id, adapter_dir
+    base = AutoModelForCausalLM.from_pretrained(manifest.base_model, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir)
+
+
 class TorchSampler:
     def __init__(self, cfg, launch_id: str = "test"):
         self.cfg = cfg
@@ -53,12 +66,18 @@ class TorchSampler:
         if key not in self._cache:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = (
-                _from_slot(weights_dir, content_id)
-                if is_slot(weights_dir)
-                else AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32)
-            )
-            self._cache = {key: (model.eval(), AutoTokenizer.from_pretrained(weights_dir))}
+            from protocol.weights_dir import declared_content_id, read_manifest
+
+            adapter = read_manifest(weights_dir) if declared_content_id(weights_dir) else None
+            adapter = adapter if adapter is not None and adapter.adapter is not None else None
+            if is_slot(weights_dir):
+                model = _from_slot(weights_dir, content_id)
+            elif adapter is not None:
+                model = _from_adapter(weights_dir, adapter)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32)
+            tokenizer_dir = adapter.base_model if adapter is not None else weights_dir
+            self._cache = {key: (model.eval(), AutoTokenizer.from_pretrained(tokenizer_dir))}
         return self._cache[key]
 
     @torch.no_grad()
