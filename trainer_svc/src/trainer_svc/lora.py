@@ -35,8 +35,10 @@ ADAPTER_NAME = "default"  # PEFT's name of the one adapter a model gets from get
 _MARK = "lora_"  # in the name of every adapter tensor (lora_A, lora_B), in none of the base's
 
 
-def with_adapter(model, lora: LoraConfig):
-    """`model` (an HF causal LM) with a fresh LoRA adapter; its own parameters frozen."""
+def with_adapter(model, lora: LoraConfig, seed: int = 0):
+    """`model` (an HF causal LM) with a fresh LoRA adapter; its own parameters frozen. The
+    adapter's initialisation (lora_A random, lora_B zero) is drawn from `seed` alone, the global
+    RNG left as it was: every FSDP2 rank starts from the same adapter, as from the same base."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -48,7 +50,9 @@ def with_adapter(model, lora: LoraConfig):
         bias="none",
     )
     try:
-        return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
     except ValueError as exc:  # PEFT: a target module the model does not have
         names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if _is_linear(module)})
         raise ValueError(

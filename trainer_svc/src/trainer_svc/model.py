@@ -38,9 +38,10 @@ def load_policy(
     activation_checkpointing: bool = False,
     compiled: bool = False,
     lora=None,
+    seed: int = 0,
 ):
     """`lora` (a LoraConfig with rank > 0): a PEFT adapter on the frozen model (trainer_svc.lora),
-    put on before the layers are compiled or sharded."""
+    put on before the layers are compiled or sharded, initialised from `seed` on every rank."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dist_info.device)
@@ -48,7 +49,7 @@ def load_policy(
     if lora is not None and lora.on:
         from .lora import with_adapter
 
-        model = with_adapter(model, lora)
+        model = with_adapter(model, lora, seed)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled:

@@ -235,6 +235,7 @@ def load_trainable(cfg: Config, dist_info: Distributed, tokenizer) -> Policy:
         activation_checkpointing=cfg.model.activation_checkpointing,
         compiled=compile_enabled(cfg.model.compile, dist_info.device),
         lora=cfg.lora,
+        seed=cfg.run.seed,
     )
     reference = None
     if cfg.loss.kl_coef > 0:  # with LoRA the starting model is the policy with its adapter off
