@@ -205,7 +205,7 @@ def test_grpo_with_lora_through_the_worker_publishes_adapters_it_serves_without_
             "rollout": {"spawn": False, "spool": worker.spool.root},
             "train": {"steps": 4, "lr": 1e-3},
             "loss": {"kl_coef": 0.01},
-            "reward": {"functions": ["digit_reward:digits"]},
+            "reward": {"functions": ["digit_reward:digits"], "weights": [1.0]},
             "publish": {"dir": models["root"] / "lora-grpo"},
             "lora": {"rank": 8, "alpha": 16.0},
         },

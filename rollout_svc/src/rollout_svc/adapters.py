@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 from collections import OrderedDict
+from pathlib import Path
 
 from protocol.messages import ErrorCode
 from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest, ManifestError, read_manifest
@@ -133,7 +134,7 @@ class Adapters:
                     "publish it again",
                 )
         try:
-            check_safetensors_header(os.path.join(copy, ADAPTER_WEIGHTS), shown)
+            check_safetensors_header(Path(copy) / ADAPTER_WEIGHTS, shown)
         except RequestFailed:
             shutil.rmtree(copy, ignore_errors=True)
             raise
