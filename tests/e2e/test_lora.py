@@ -187,8 +187,10 @@ def test_a_worker_without_lora_refuses_an_adapter_naming_the_option(models, clie
 
 
 def test_grpo_with_lora_through_the_worker_publishes_adapters_it_serves_without_reloading_the_base(
-    worker, models, tmp_path
+    worker, models, tmp_path, client_for
 ):
+    assert ask(client_for(worker.spool.root), models["a"]).ok  # the base live before the run starts
+    log_start = len((worker.log_dir / f"{WORKER}.log").read_text())
     # A reward that varies within a group on an untrained model (the share of digits), so steps
     # have gradients; the KL term's reference is the base with the adapter off.
     (tmp_path / "digit_reward.py").write_text(
@@ -218,14 +220,13 @@ def test_grpo_with_lora_through_the_worker_publishes_adapters_it_serves_without_
     assert len(rows) == 4 and any(row["grad_norm"] > 0 for row in rows)
     # The engine sampled each step from the adapter the trainer published: same logprobs.
     assert max(row["mismatch_max"] for row in rows) < 1e-3, [row["mismatch_max"] for row in rows]
-    for step in (1, 2, 3, 4):
+    print(f"\nmismatch_max per step: {[row['mismatch_max'] for row in rows]}")
+    for step in (2, 3, 4):  # publish.keep_last = 3
         manifest = read_manifest(models["root"] / "lora-grpo" / f"step_{step:08d}")
         assert manifest.adapter is not None and manifest.adapter.rank == 8
-    results = [json.loads(p.read_text()) for p in (worker.spool.root / "results").glob("*.json")]
-    ours = [r for r in results if "lora-grpo" in r.get("weights_dir", "")]
-    assert len(ours) >= 3 and all(r["ok"] for r in ours)
-    # Each adapter read once, its file alone; the base never again.
-    loaded = [r["timings"]["reload_bytes"] for r in ours if r["timings"]["reload_bytes"]]
-    assert loaded and max(loaded) < 10**6
+    # Each publish sampled from was loaded as an adapter, once; the base never again, in place or anew.
+    during = (worker.log_dir / f"{WORKER}.log").read_text()[log_start:]
+    assert [f"run-step_{step:08d}-" in during for step in (1, 2, 3)] == [True] * 3
+    assert "reloaded " not in during and "engine process " not in during
     banner = json.loads((run_dir / "stage_result.json").read_text())["banner"]
     assert banner["weight_sync"].startswith("LoRA adapter directories")
