@@ -29,16 +29,25 @@ import os
 import shutil
 import tempfile
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.messages import ErrorCode
 from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest, ManifestError, read_manifest
 
-from .engines.vllm_host import AdapterRef
 from .errors import RequestFailed
 from .weights import WeightsPolicy, check_safetensors_header
 
 COPY_TRIES = 3  # copies of a directory replaced under each of them, before its request fails
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter the engine serves: vLLM's id for it, and the worker's copy of its files."""
+
+    lora_id: int  # vLLM's cache key: one per content id
+    content_id: str
+    path: str  # the worker's verified copy (rollout_svc.adapters)
 
 
 def adapter_manifest(weights_dir: str) -> Manifest | None:

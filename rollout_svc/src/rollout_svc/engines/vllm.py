@@ -40,14 +40,14 @@ from protocol.messages import ErrorCode, Request
 from protocol.weight_slots import SlotError, read_slot_manifest
 from protocol.weights_dir import ADAPTER_WEIGHTS, weights_content_id
 
-from ..adapters import Adapters, adapter_manifest
+from ..adapters import AdapterRef, Adapters, adapter_manifest
 from ..delta_load import DeltaLoader
 from ..errors import RequestFailed
 from ..slot_load import SlotChanged, slot_lease
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
 from .host import EngineHost, HostDied, HostError, descendants
-from .vllm_host import AdapterRef, EngineSpec, describe
+from .vllm_host import EngineSpec, describe
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from protocol.messages import ErrorCode, Request
 from protocol.weight_slots import encode_slot_manifest
 
+from ..adapters import AdapterRef
 from ..errors import RequestFailed
 from ..weights import Weights
 from .base import Completion
@@ -313,15 +314,6 @@ class SlotSource:
 
     def close(self) -> None:
         self.slot.close()
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """A LoRA adapter the engine serves: vLLM's id for it, and the worker's copy of its files."""
-
-    lora_id: int  # vLLM's cache key: one per content id
-    content_id: str
-    path: str  # the worker's verified copy (rollout_svc.adapters)
 
 
 def lora_request(adapter: AdapterRef):
