@@ -2,15 +2,15 @@
 by the trainer are served on the base the worker loaded, never reloading it.
 
 - the logprobs the worker returns with an adapter are the trainer's own (PEFT) logprobs;
-- an adapter of another base, of too high a rank, or for a worker without LoRA gets an
-  `adapter_refused` result naming the problem and what to do, and the worker serves on;
+- an adapter of another base or of too high a rank gets an `adapter_refused` result naming the
+  problem and what to do, and the worker serves on (a worker without LoRA refuses with the same
+  code: tests/unit/test_adapters.py, without a second engine start);
 - `spoolctl eval` (an eval job) names an adapter as it names any weights;
 - `trainer-svc merge-adapter`'s export, served as ordinary weights, answers as the adapter does;
 - `trainer-svc train` with [lora] takes GRPO steps through the worker: each publish is an adapter
   the worker loads in milliseconds, and the trainer's logprobs match the engine's at every step.
 
-The module shares one worker (one engine start); a second, without LoRA, is started only for the
-refusal it gives. vLLM 0.32's CPU build serves LoRA (its PyTorch LoRA kernels; checked here).
+The module shares one worker (one engine start). vLLM 0.32's CPU build serves LoRA (checked here).
 """
 
 from __future__ import annotations
@@ -165,25 +165,6 @@ def test_the_merged_export_served_as_full_weights_answers_as_the_adapter(worker,
     refused = ask(client, adapter, weights_content_id=content_id)
     assert refused.error.code == ErrorCode.ADAPTER_REFUSED and "lora-merged" in refused.error.message
     assert ask(client, models["a"]).ok
-
-
-def test_a_worker_without_lora_refuses_an_adapter_naming_the_option(models, client_for, tmp_path):
-    adapter, _ = publish_adapter(models["a"], models["root"] / "lora-nolora", step=1)
-    plain = ServedWorker(
-        Spool(tmp_path / "spool", create=True), "e2e-no-lora",
-        ["--engine", "vllm", "--allowed-root", str(models["root"]), "--weights", str(models["a"]),
-         "--max-model-len", "128", "--idle-exit", "600"],
-        log_dir=tmp_path,
-    )  # fmt: skip
-    try:
-        keep_running(plain)
-        client = client_for(plain.spool.root)
-        refused = ask(client, adapter)
-        assert refused.error.code == ErrorCode.ADAPTER_REFUSED
-        assert "started without LoRA; start it with --max-lora-rank 4" in refused.error.message
-        assert ask(client, models["a"]).ok
-    finally:
-        plain.stop()
 
 
 def test_grpo_with_lora_through_the_worker_publishes_adapters_it_serves_without_reloading_the_base(
