@@ -43,6 +43,11 @@ from run_config import merge, to_toml  # noqa: E402
 
 TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
 TARGET = 0.05
+LABELS = {
+    "full": "full model, lr 1e-4, shared-memory slots",
+    "full-dirs": "full model, lr 1e-4, weights directories",
+    "lora": "LoRA rank 8, lr 1e-3, adapter directories",
+}
 
 
 def say(message: str) -> None:
@@ -147,23 +152,30 @@ def run_variant(name: str, out: Path, model: Path, steps: int, extra: dict[str, 
     }
 
 
-def plot(figures: dict, path: Path, window: int = 10) -> None:
-    import matplotlib
+PLOT = """
+import json, statistics, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+figures, path, window = json.loads(sys.argv[1]), sys.argv[2], 10
+fig, ax = plt.subplots(figsize=(7, 4))
+for name, (label, rewards) in figures.items():
+    smooth = [statistics.fmean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+    ax.plot(range(1, len(rewards) + 1), smooth, label=f"{name}: {label}")
+ax.set_xlabel("GRPO step")
+ax.set_ylabel(f"reward of the step's samples ({window}-step mean)")
+ax.set_title("The demo: LoRA against full fine-tuning")
+ax.legend(fontsize=7)
+fig.tight_layout()
+fig.savefig(path, dpi=110)
+"""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, found in figures.items():
-        rewards = found["rewards"]
-        smooth = [statistics.fmean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
-        ax.plot(range(1, len(rewards) + 1), smooth, label=f"{name} ({found['weight_sync'].split(':')[0][:40]})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"reward of the step's samples (mean of the last {window} steps)")
-    ax.set_title("The demo: LoRA against full fine-tuning")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def plot(figures: dict, path: Path) -> None:
+    """The reward curves, drawn by the trainer's venv (matplotlib lives there)."""
+    labels = {name: (found["label"], found["rewards"]) for name, found in figures.items()}
+    python = ROOT / ".venvs" / "trainer" / "bin" / "python"
+    subprocess.run([str(python), "-c", PLOT, json.dumps(labels), str(path)], check=True)
 
 
 def main() -> None:
@@ -174,6 +186,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench-lora")
     parser.add_argument("--png", default=str(ROOT / "docs" / "lora_vs_full.png"))
     parser.add_argument("--variants", default="full,full-dirs,lora")
+    parser.add_argument("--reuse", action="store_true", help="report the variants already run in --out")
     parser.add_argument("--json")
     args = parser.parse_args()
     out = Path(args.out)
@@ -188,9 +201,14 @@ def main() -> None:
     for name in args.variants.split(","):
         import shutil
 
+        kept = out / f"{name}.json"  # a variant's figures, kept: --reuse reports them without a run
+        if args.reuse and kept.is_file():
+            figures[name] = json.loads(kept.read_text())
+            continue
         shutil.rmtree(out / name, ignore_errors=True)
         shutil.rmtree(out / f"{name}-worker-metrics", ignore_errors=True)
-        figures[name] = run_variant(name, out, model, args.steps, extras[name])
+        figures[name] = run_variant(name, out, model, args.steps, extras[name]) | {"label": LABELS[name]}
+        kept.write_text(json.dumps(figures[name]))
         say(f"{name}: {json.dumps({k: v for k, v in figures[name].items() if k != 'rewards'})}")
     plot(figures, Path(args.png))
     if "lora" in figures:
