@@ -112,3 +112,16 @@ def test_each_content_id_gets_one_copy_and_one_id_and_old_copies_go(tmp_path):
     root = Path(newer.path).parent
     adapters.close()
     assert not root.exists()
+
+
+def test_the_engine_is_sized_for_the_next_rank_vllm_has_and_bad_limits_are_refused():
+    from rollout_svc.engines.vllm import VllmEngine
+
+    def spec(**options):
+        return VllmEngine(policy=WeightsPolicy(), **options).spec
+
+    assert (spec().lora_rank, spec(max_lora_rank=4).lora_rank, spec(max_lora_rank=20).lora_rank) == (0, 8, 32)
+    with pytest.raises(ValueError, match="--max-lora-rank 1000 is outside 0..512"):
+        spec(max_lora_rank=1000)
+    with pytest.raises(ValueError, match="need 1 <= max-loras <= max-cpu-loras"):
+        spec(max_lora_rank=8, max_loras=4, max_cpu_loras=2)
