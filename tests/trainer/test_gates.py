@@ -404,7 +404,7 @@ def fake_rollout_venv(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def spawned_worker_gpus(cfg, tmp_path, world_size: int = 2, cuda_devices: int = 4) -> str:
-    from trainer_svc.rollout import RolloutService
+    from trainer_svc.rollout_client import RolloutService
 
     venv, record = fake_rollout_venv(tmp_path)
     service = RolloutService(
@@ -413,7 +413,7 @@ def spawned_worker_gpus(cfg, tmp_path, world_size: int = 2, cuda_devices: int = 
         cuda_devices=cuda_devices,
     )
     try:
-        assert service.proc.wait(timeout=30) == 0
+        assert service.worker.proc.wait(timeout=30) == 0
     finally:
         service.close()
     return record.read_text()
@@ -462,7 +462,7 @@ def test_topology_colocate_shares_rank_0s_gpu_only_when_asked(cfg, monkeypatch):
 def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_only_when_asked(
     cfg, tmp_path, monkeypatch, sleep_s
 ):
-    from trainer_svc.rollout import RolloutService
+    from trainer_svc.rollout_client import RolloutService
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     venv, record = tmp_path / "fake-venv", tmp_path / "worker-args.txt"
@@ -474,7 +474,7 @@ def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_only_when
     shared = replace(cfg, rollout={**rollout, "colocate_sleep_s": sleep_s})
     service = RolloutService(shared, world_size=1, cuda_devices=1)
     try:
-        assert service.proc.wait(timeout=30) == 0
+        assert service.worker.proc.wait(timeout=30) == 0
     finally:
         service.close()
     gpu, *args = record.read_text().split()

@@ -31,8 +31,8 @@ class ScriptedSampler:
         self.live = live
         self.submitted: list[Ticket] = []
 
-    def submit(self, prompts, *, weights, step, attempt, seed, n=None, temperature=None, tag="train") -> Ticket:
-        self.submitted.append(Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag))
+    def submit(self, call: Ticket) -> Ticket:
+        self.submitted.append(call)
         return self.submitted[-1]
 
     def collect(self, ticket: Ticket) -> list[Group]:

@@ -21,7 +21,7 @@ from protocol.weights_dir import weights_content_id
 from .config import Config
 from .data import DataError, load_problems
 from .rewards import Verifier
-from .rollout_types import WeightsRef
+from .rollout_types import Ticket, WeightsRef
 
 BATCH = 64  # prompts per request
 
@@ -42,7 +42,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
         )
     own_sampler = sampler is None
     if own_sampler:
-        from .rollout import RolloutService
+        from .rollout_client import RolloutService
 
         sampler = RolloutService(cfg)
     verifier = Verifier()
@@ -51,15 +51,9 @@ def run_band(cfg: Config, sampler=None) -> dict:
     try:
         for start in range(0, len(candidates), BATCH):
             batch = candidates[start : start + BATCH]
-            groups = sampler.sample(
-                [p.prompt for p in batch],
-                weights=WeightsRef(model),
-                step=start // BATCH,
-                attempt=0,
-                seed=cfg.run.seed + start,
-                n=cfg.band.samples,
-                tag="band",
-            )
+            prompts, seed = tuple(p.prompt for p in batch), cfg.run.seed + start
+            call = Ticket(prompts, WeightsRef(model), start // BATCH, 0, seed, n=cfg.band.samples, tag="band")
+            groups = sampler.collect(sampler.submit(call))
             for problem, group in zip(batch, groups, strict=True):
                 rate = sum(verifier.is_correct(s.text, problem.gold) for s in group.samples) / len(group.samples)
                 if rate < cfg.band.low:

@@ -16,7 +16,8 @@ from .config import Config
 from .data import DataError, Problem
 from .outputs import StepLog
 from .rewards import Verifier
-from .sampling import Sampler, WeightsRef
+from .rollout_types import Ticket, WeightsRef
+from .sampling import Sampler
 
 CANARY_FILE = "canary.jsonl"
 
@@ -55,16 +56,8 @@ class Canary:
         return {"canary_accuracy": self.run(step, weights)["accuracy"]}
 
     def run(self, step: int, weights: WeightsRef) -> dict:
-        groups = self.sampler.sample(
-            [p.prompt for p in self.problems],
-            weights=weights,
-            step=step,
-            attempt=0,
-            seed=0,
-            n=1,
-            temperature=0.0,
-            tag="canary",
-        )
+        call = Ticket(tuple(p.prompt for p in self.problems), weights, step, 0, 0, n=1, temperature=0.0, tag="canary")
+        groups = self.sampler.collect(self.sampler.submit(call))
         correct = [
             self.verifier.is_correct(g.samples[0].text, p.gold) for p, g in zip(self.problems, groups, strict=True)
         ]

@@ -85,7 +85,7 @@ def train(
     from .data import DataError
     from .gates import GateRefused, check_config
     from .loop import train as run_training
-    from .rollout import RolloutFailed, RolloutUnavailable
+    from .rollout_types import RolloutFailed, RolloutUnavailable
 
     try:
         check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the cheapest gate, before torch loads
@@ -171,7 +171,7 @@ def band(config: ConfigArg) -> None:
     check_before_work(cfg)
     from .band import run_band
     from .data import DataError
-    from .rollout import RolloutFailed, RolloutUnavailable
+    from .rollout_types import RolloutFailed, RolloutUnavailable
 
     try:
         report = run_band(cfg)

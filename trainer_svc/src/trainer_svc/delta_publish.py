@@ -45,13 +45,13 @@ import torch
 from protocol import weight_delta
 from protocol.watch import filesystem_type, needs_polling
 from protocol.weights_chain import DELTA_FILE
-from protocol.weights_dir import COPIED_FILES, MANIFEST, STEP_PREFIX, Manifest, encode_manifest, step_content_id
+from protocol.weights_dir import STEP_PREFIX, step_content_id
 
 from . import publish as published
 from .atomic_dir import building, remove_stale_partials
-from .distributed import Distributed
+from .distributed import Distributed, on_rank0
 from .safetensors_stream import write_small
-from .weights_writer import TensorStream, as_stream
+from .weights_writer import TensorStream, as_stream, finish_published
 
 log = logging.getLogger(__name__)
 
@@ -128,21 +128,14 @@ class DeltaPublisher:
         started = time.monotonic()
         main = dist_info is None or dist_info.is_main
         current, borrowed = _host_tensors(as_stream(tensors), dtype, keep=main, into=self.spare)
-        record, error = None, None
-        if main:
-            try:
-                record = self._publish(
-                    step, current, borrowed, started, Path(publish_dir), Path(base_model), run_name, dtype
-                )
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
-                error = exc
-        if dist_info is not None and dist_info.world_size > 1:  # no rank waits for a rank 0 that failed
-            outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
-            if not main and outcome is not None:
-                raise RuntimeError(f"rank 0 could not publish step {step}: {outcome}")
-        if error is not None:
-            raise error
-        return record
+        return on_rank0(
+            dist_info,
+            lambda: self._publish(
+                step, current, borrowed, started, Path(publish_dir), Path(base_model), run_name, dtype
+            ),
+            f"publish step {step}",
+            agree=dist_info is not None and dist_info.world_size > 1,
+        )
 
     def _publish(
         self, step, current, borrowed, started, publish_dir, base_model, run_name, dtype
@@ -224,24 +217,10 @@ class DeltaPublisher:
         dest = published.published_dir(publish_dir, step)
         with building(dest, files_synced=True) as staging:  # each file fsynced as written
             files = {DELTA_FILE: write_small(staging / DELTA_FILE, weight_delta.encode(delta))}
-            for name in COPIED_FILES:
-                if (base_model / name).is_file():
-                    files[name] = write_small(staging / name, (base_model / name).read_bytes())
-            total = sum(entry.size for entry in files.values())
             written_dtype = dtype or next(iter(current.values())).dtype
-            manifest = Manifest(
-                step=step,
-                content_id=content_id,
-                base_model=str(base_model),
-                dtype=str(written_dtype).removeprefix("torch."),
-                bytes=total,
-                checksum="crc32c",
-                files=files,
-                write_seconds=round(time.monotonic() - started, 6),
-                created_at=time.time(),
-                delta_base=delta.base_id,
+            total = finish_published(
+                staging, files, base_model, step, content_id, written_dtype, "crc32c", started, delta.base_id
             )
-            write_small(staging / MANIFEST, encode_manifest(manifest))
         return published.Published(dest, step, content_id, total, time.monotonic() - write_started)
 
 

@@ -24,6 +24,7 @@ from protocol.weights_dir import weights_content_id
 from .config import BUILTIN_REWARDS, Config, RewardConfig
 from .data import Problem
 from .outputs import write_json_atomic
+from .placement import physical_gpu, requested_rollout_gpu
 from .reward_functions import Rewards
 from .rewards import Verifier
 from .rollout_types import Group, Sample
@@ -214,23 +215,6 @@ def check_band(cfg: Config) -> dict | None:
     return manifest
 
 
-def physical_gpu(position: int) -> str:
-    """The GPU at `position` among those this process sees, as the system numbers it (what a
-    worker started with CUDA_VISIBLE_DEVICES=<it> uses, and reports)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[position].strip() if visible else str(position)
-
-
-def rollout_gpu(world_size: int, cuda_devices: int, colocate: bool = False) -> str | None:
-    """The physical GPU for a spawned worker: rank 0's when colocated; else ROLLOUT_GPU (a position
-    among the visible GPUs), by default the first after the training ranks; None without GPUs."""
-    if cuda_devices == 0 and "ROLLOUT_GPU" not in os.environ:
-        return None
-    if colocate:
-        return physical_gpu(0)
-    return physical_gpu(int(os.environ.get("ROLLOUT_GPU", str(world_size))))
-
-
 def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers: list | None = None) -> dict:
     """Where the rollout worker runs must not be where a training rank runs."""
     if cfg.rollout.spawn:
@@ -244,7 +228,7 @@ def check_topology(cfg: Config, world_size: int, cuda_devices: int, live_workers
                     f"{world_size} ranks: give the worker a GPU of its own (rollout.colocate = false)",
                 )
             return {"train_ranks": 1, "rollout_device": "cuda:0 (shared with rank 0: rollout.colocate)"}
-        gpu = os.environ.get("ROLLOUT_GPU", str(world_size))
+        gpu = requested_rollout_gpu(world_size)
         if not gpu.isdigit() or not world_size <= int(gpu) < cuda_devices:
             raise GateRefused(
                 "topology",

@@ -39,7 +39,8 @@ from .model import (
 from .outputs import Outputs
 from .reward_functions import Rewards
 from .rewards import Verifier
-from .sampling import Sampler, StepSampler, WeightsRef
+from .rollout_types import WeightsRef
+from .sampling import Sampler, StepSampler
 from .trackers import Tracking
 from .train_step import Policy, make_optimizer, make_scheduler
 from .tripwire import CollapseTripwire
@@ -244,6 +245,6 @@ def make_rollout_sampler(cfg: Config, make_sampler: MakeSampler | None, dist_inf
     launch_id = secrets.token_hex(3)
     if make_sampler is not None:
         return make_sampler(cfg, launch_id)
-    from .rollout import RolloutService
+    from .rollout_client import RolloutService
 
     return RolloutService(cfg, world_size=dist_info.world_size)

@@ -41,43 +41,19 @@ from .reward_functions import GroupScores, Rewards
 from .rollout_types import Group, Ticket, WeightsRef
 from .spares import SpareSizer
 
-__all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "WeightsRef", "summarize"]
+__all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "summarize"]
 
 
 class Sampler(Protocol):
-    """Samples prompts: `submit` sends a call and returns at once, `collect` waits for its groups
-    (in prompt order, each with its weights step), `restore` takes over a call a previous launch
-    sent; `sample` is submit then collect, for callers that wait anyway (canary, band)."""
+    """Samples prompts: `submit` sends a call and returns at once, with what it sent, `collect`
+    waits for its groups (in prompt order, each with its weights step), `restore` takes over a call
+    a previous launch sent."""
 
-    def submit(
-        self,
-        prompts: list[str | list[dict]],
-        *,
-        weights: WeightsRef,
-        step: int,
-        attempt: int,
-        seed: int,
-        n: int | None = None,
-        temperature: float | None = None,
-        tag: str = "train",
-    ) -> Ticket: ...
+    def submit(self, call: Ticket) -> Ticket: ...
 
     def restore(self, ticket: Ticket) -> None: ...
 
     def collect(self, ticket: Ticket) -> list[Group]: ...
-
-    def sample(
-        self,
-        prompts: list[str | list[dict]],
-        *,
-        weights: WeightsRef,
-        step: int,
-        attempt: int,
-        seed: int,
-        n: int | None = None,
-        temperature: float | None = None,
-        tag: str = "train",
-    ) -> list[Group]: ...
 
     def close(self) -> None: ...
 
@@ -171,13 +147,8 @@ class StepSampler:
     # -- rank 0 ------------------------------------------------------------------------------
 
     def _send(self, step: int, weights: WeightsRef, attempt: int, problems: list[Problem]) -> InFlight:
-        ticket = self.sampler.submit(
-            [p.prompt for p in problems],
-            weights=weights,
-            step=step,
-            attempt=attempt,
-            seed=self.cfg.run.seed * 1_000_003 + step * 101 + attempt,
-        )
+        seed = self.cfg.run.seed * 1_000_003 + step * 101 + attempt
+        ticket = self.sampler.submit(Ticket(tuple(p.prompt for p in problems), weights, step, attempt, seed))
         return InFlight(ticket, problems)
 
     def _top_up(self, step: int, weights: WeightsRef) -> None:

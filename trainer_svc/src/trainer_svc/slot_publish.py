@@ -55,7 +55,7 @@ from protocol.weight_slots import (
 from protocol.weights_dir import COPIED_FILES, step_content_id
 
 from .config import Config
-from .distributed import Distributed
+from .distributed import Distributed, on_rank0
 from .publish import _named_by_spool
 from .weights_writer import TensorStream, iter_full_tensors
 
@@ -106,23 +106,16 @@ def publish_slot(
     in each gather). Returns the record on rank 0, None elsewhere."""
     stream = iter_full_tensors(model, dist_info)
     source = stream.fetch([spec.name for spec in stream.specs])  # the order a slot's layout takes them in
-    error, written = None, None
-    if dist_info.is_main:
-        content_id = step_content_id(cfg.run_dir.name, step)
-        try:
-            written = ring.write(slot, step, content_id, TensorStream(stream.specs, lambda _: source), dtype,
-                                 Path(cfg.model.path))  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks are told
-            error = exc
-    if stream.collective:
-        for _ in source:  # the gathers rank 0 did not reach (all of them on other ranks)
-            pass
-        outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
-        if not dist_info.is_main and outcome is not None:
-            raise RuntimeError(f"rank 0 could not write the weight slot {slot}: {outcome}")
-    if error is not None:
-        raise error
-    return written
+    content_id = step_content_id(cfg.run_dir.name, step)
+    return on_rank0(
+        dist_info,
+        lambda: ring.write(
+            slot, step, content_id, TensorStream(stream.specs, lambda _: source), dtype, Path(cfg.model.path)
+        ),
+        f"write the weight slot {slot}",
+        agree=stream.collective,
+        drain=source,
+    )
 
 
 @dataclass(frozen=True)

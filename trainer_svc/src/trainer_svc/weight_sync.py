@@ -38,7 +38,7 @@ from .checkpoint import ROLLOUT_WEIGHTS
 from .config import Config
 from .delta_publish import DeltaPublisher, deltas_wanted
 from .distributed import Distributed
-from .sampling import WeightsRef
+from .rollout_types import WeightsRef
 from .slot_publish import SlotRing, publish_slot, slots_choice
 from .weights_writer import iter_full_tensors, serving_dtype
 

@@ -70,7 +70,7 @@ import torch
 from protocol.weights_dir import COPIED_FILES, MANIFEST, FileEntry, Manifest, encode_manifest
 
 from .atomic_dir import building
-from .distributed import Distributed
+from .distributed import Distributed, on_rank0
 from .safetensors_stream import (
     SAFETENSORS_DTYPES,
     BufferPool,
@@ -297,34 +297,15 @@ def write_weights_dir(
         max_shard_bytes = max(MIN_SPREAD_SHARD_BYTES, -(-total // writer_threads()))
     shards = _plan_shards(stream.specs, target, max_shard_bytes)
     source = stream.fetch([spec.name for spec in _side_by_side(shards)])
-    agree = stream.collective and dist_info is not None and dist_info.world_size > 1
-    error: BaseException | None = None
-    written = None
-    if main:
-        try:
-            written = _write(
-                dest,
-                source,
-                shards,
-                base_model=Path(base_model),
-                step=step,
-                content_id=content_id,
-                target=target,
-                chunk_bytes=chunk_bytes,
-                checksums=checksums,
-                started=started,
-            )
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
-            error = exc
-    if agree:
-        for _ in source:  # the gathers rank 0 did not reach (all of them on other ranks)
-            pass
-        outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
-        if not main and outcome is not None:
-            raise RuntimeError(f"rank 0 could not write {dest}: {outcome}")
-    if error is not None:
-        raise error
-    return written
+    return on_rank0(
+        dist_info,
+        lambda: _write(
+            dest, source, shards, Path(base_model), step, content_id, target, chunk_bytes, checksums, started
+        ),
+        f"write {dest}",
+        agree=stream.collective and dist_info is not None and dist_info.world_size > 1,
+        drain=source,
+    )
 
 
 # --- internals -------------------------------------------------------------------------------
@@ -404,7 +385,7 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_bytes, checksums, started) -> Written:
+def _write(dest, source, shards, base_model, step, content_id, target, chunk_bytes, checksums, started) -> Written:
     if not (base_model / "config.json").is_file():
         raise FileNotFoundError(f"{base_model} has no config.json: name the base model directory to copy it from")
     with building(dest, files_synced=True) as staging:  # each file fsynced as written
@@ -434,23 +415,44 @@ def _write(dest, source, shards, *, base_model, step, content_id, target, chunk_
             index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
             index_bytes = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             files[INDEX_FILE] = write_small(staging / INDEX_FILE, index_bytes)
-        for name in COPIED_FILES:
-            if (base_model / name).is_file():
-                files[name] = write_small(staging / name, (base_model / name).read_bytes())
-        total_bytes = sum(entry.size for entry in files.values())
-        manifest = Manifest(
-            step=step,
-            content_id=content_id,
-            base_model=str(base_model),
-            dtype=str(target).removeprefix("torch."),
-            bytes=total_bytes,
-            checksum="crc32c" if checksums else None,
-            files=files,
-            write_seconds=round(time.monotonic() - started, 6),
-            created_at=time.time(),
+        total_bytes = finish_published(
+            staging, files, base_model, step, content_id, target, "crc32c" if checksums else None, started
         )
-        write_small(staging / MANIFEST, encode_manifest(manifest))
     return Written(dest, step, content_id, total_bytes, time.monotonic() - started, files)
+
+
+def finish_published(
+    staging: Path,
+    files: dict[str, FileEntry],
+    base_model: Path,
+    step: int,
+    content_id: str,
+    dtype: torch.dtype,
+    checksum: str | None,
+    started: float,
+    delta_base: str | None = None,
+) -> int:
+    """A published directory's last files: the config and tokenizer files copied from
+    `base_model` beside `files`, then the manifest naming them all. Returns the bytes of every file
+    but the manifest."""
+    for name in COPIED_FILES:
+        if (base_model / name).is_file():
+            files[name] = write_small(staging / name, (base_model / name).read_bytes())
+    total_bytes = sum(entry.size for entry in files.values())
+    manifest = Manifest(
+        step=step,
+        content_id=content_id,
+        base_model=str(base_model),
+        dtype=str(dtype).removeprefix("torch."),
+        bytes=total_bytes,
+        checksum=checksum,
+        files=files,
+        write_seconds=round(time.monotonic() - started, 6),
+        created_at=time.time(),
+        delta_base=delta_base,
+    )
+    write_small(staging / MANIFEST, encode_manifest(manifest))
+    return total_bytes
 
 
 def _check_arrival(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:

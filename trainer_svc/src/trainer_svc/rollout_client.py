@@ -1,9 +1,5 @@
-"""The trainer's side of the spool (rank 0 only): request samples, get token ids and logprobs.
-
-By default the trainer spawns one rollout worker from the rollout venv in its own process
-session, preloaded with the starting weights, and tears it down on every exit path (the
-trainer's `finally` and `atexit`; SIGKILL of the trainer leaves it to its idle exit). With
-`rollout.spawn = false` it uses the workers already serving the spool (systemd).
+"""The trainer's side of the spool (rank 0 only): request samples, get token ids and logprobs,
+from the workers serving `rollout.spool`, or from the one the run spawns (spawned_worker).
 
 A sampling call is fanned out: its prompts are split into one request per live worker (their
 status files say how many serve the spool; `rollout.fan_out` fixes the number), at most one per
@@ -28,29 +24,18 @@ samples do not depend on the failure), under the next id of its chain `<id>-r1`,
   stops on an old result. The chain ids are deterministic, so a relaunch walks past the errors
   already in the spool and uses or awaits the newest try instead of sending another.
 
-A dead spawned worker, or no live worker at all, is an error within seconds, never a hang; so
-is a spawned worker whose process lives but whose heartbeat stood still for its lease (frozen),
-which is then stopped. A call that is not answered within `rollout.timeout_s` is an error naming
-each request and where it stands (queued, claimed by whom, done). A launch first stops a worker
-that an earlier launch of the same run spawned and left running (its trainer SIGKILLed): it is
-found by its status file (this run's worker id, this host, a live `rollout-svc serve` pid), so
-two engines never fight for one GPU.
+No live worker at all is an error within seconds, never a hang; so is a dead or frozen spawned
+worker. A call that is not answered within `rollout.timeout_s` is an error naming each request
+and where it stands (queued, claimed by whom, done).
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import logging
-import os
 import re
-import signal
-import socket
-import subprocess
-import time
 from dataclasses import replace
-from pathlib import Path
 
 import msgspec
 
@@ -58,24 +43,12 @@ from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import Request, Result
 from protocol.rows import prompt_fields
 from protocol.spool import split_claimed_name
-from protocol.weight_slots import ring_dir
 
 from .config import Config
-from .gates import rollout_gpu
-from .rollout_types import Group, Sample, Ticket, WeightsRef
+from .rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket
+from .spawned_worker import SpawnedWorker
 
 log = logging.getLogger(__name__)
-
-WORKER_IDLE_EXIT_S = 7200  # an orphaned worker (trainer SIGKILLed) frees its device after this
-
-
-class RolloutUnavailable(RuntimeError):
-    """No worker can serve the trainer's requests; the message says why and what to do."""
-
-
-class RolloutFailed(RuntimeError):
-    """A worker refused a request for good (a permanent error): it fails again, sent again
-    unchanged, until what the message names changes."""
 
 
 def split_sizes(total: int, parts: int) -> tuple[int, ...]:
@@ -87,133 +60,39 @@ def split_sizes(total: int, parts: int) -> tuple[int, ...]:
 
 class RolloutService:
     def __init__(self, cfg: Config, *, world_size: int = 1, cuda_devices: int | None = None):
-        """`world_size`, `cuda_devices`: the training ranks and the GPUs this process sees; the
-        spawned worker gets the GPU the topology gate approved (gates.rollout_gpu)."""
+        """With `rollout.spawn`, spawns this run's worker (spawned_worker.SpawnedWorker);
+        `world_size`, `cuda_devices`: the training ranks and the GPUs this process sees."""
         self.cfg = cfg
-        self.world_size = world_size
-        if cuda_devices is None:
-            import torch
-
-            cuda_devices = torch.cuda.device_count()
-        self.cuda_devices = cuda_devices
-        self.proc: subprocess.Popen | None = None
-        self.log_path = cfg.run_dir / "rollout-worker.log"
-        self.worker_id = f"{_id_part(cfg.run_dir.name[:40])}-rollout"
-        self.seen_live = False  # the spawned worker's heartbeat was seen fresh at least once
         self.sent: set[str] = set()  # ids this launch submitted: only their failures are this launch's
         self.client = SpoolClient(cfg.spool_dir, no_worker_grace_s=cfg.rollout.no_worker_grace_s)
+        self.worker_id = f"{_id_part(cfg.run_dir.name[:40])}-rollout"  # the spawned worker's
+        self.worker: SpawnedWorker | None = None
         if cfg.rollout.spawn:
-            self._stop_orphan()
-            self.proc = self._spawn()
-            atexit.register(self.close)
+            if cuda_devices is None:
+                import torch
 
-    def _spawn(self) -> subprocess.Popen:
-        cfg = self.cfg
-        executable = Path(cfg.rollout.rollout_venv) / "bin" / "rollout-svc"
-        if not executable.exists():
-            raise RolloutUnavailable(
-                f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
+                cuda_devices = torch.cuda.device_count()
+            self.worker = SpawnedWorker(
+                cfg, self.client.spool, self.worker_id, world_size=world_size, cuda_devices=cuda_devices
             )
-        ring = None  # the run's slot ring, where its weights may be published (weight_sync)
-        if cfg.publish.slots != "off" and Path(cfg.publish.slots_dir).is_dir():
-            ring = ring_dir(cfg.publish.slots_dir, cfg.run_dir)
-            ring.mkdir(exist_ok=True)  # an allowed root must exist when the worker starts
-        command = [
-            str(executable),
-            "serve",
-            "--engine",
-            "vllm",
-            "--spool",
-            str(cfg.spool_dir),
-            "--worker-id",
-            self.worker_id,
-            "--weights",
-            cfg.model.path,
-            "--allowed-root",
-            str(Path(cfg.model.path).parent),
-            "--allowed-root",
-            str(cfg.publish_dir),
-            *(["--allowed-root", str(ring)] if ring is not None else []),
-            "--idle-exit",
-            str(WORKER_IDLE_EXIT_S),
-            *cfg.rollout.worker_args,
-        ]
-        cfg.publish_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        gpu = rollout_gpu(self.world_size, self.cuda_devices, colocate=cfg.rollout.colocate)
-        if gpu is not None and cfg.rollout.colocate:
-            # Its share of the GPU (the trainer is capped at the rest), awake by default: it
-            # generates the next steps while the trainer steps.
-            command += ["--gpu-memory-utilization", str(cfg.rollout.colocate_gpu_memory)]
-            if cfg.rollout.colocate_sleep_s:
-                command += ["--sleep-when-idle", str(cfg.rollout.colocate_sleep_s)]
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        log.info("starting rollout worker: %s (log: %s)", " ".join(command), self.log_path)
-        with open(self.log_path, "ab") as out:
-            # Its own session: torchrun's or a terminal's signals do not reach it; we stop it.
-            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def close(self) -> None:
-        """Stop the spawned worker (SIGTERM, then SIGKILL of its session). Idempotent."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            stop_session(proc.pid, wait=proc.wait)
+        """Stop the spawned worker, if any. Idempotent."""
+        if self.worker is not None:
+            self.worker.close()
         self.client.close()
 
     def _check_worker(self) -> None:
-        """While waiting: a spawned worker that exited, or whose heartbeat stood still for its
-        lease while its process lives (frozen: SIGSTOP, a hung host call), ends the wait."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is not None:
-            raise RolloutUnavailable(f"the rollout worker exited with code {self.proc.returncode}; see {self.log_path}")
-        statuses = [s for s in self.client.spool.live_workers() if s.worker_id == self.worker_id]
-        if any(s.pid == self.proc.pid for s in statuses):
-            self.seen_live = True
-        elif self.seen_live:
-            raise RolloutUnavailable(
-                f"the rollout worker (pid {self.proc.pid}) is alive but its heartbeat stood still for longer than its "
-                f"lease: it is frozen or hung, and is stopped now; see {self.log_path}"
-            )
+        if self.worker is not None:
+            self.worker.check()
 
-    def _stop_orphan(self) -> None:
-        """A worker this run spawned before (its trainer was SIGKILLed) may still hold the
-        device until its idle exit: find it by its status file (this run's worker id, this host,
-        a live pid running rollout-svc on this spool) and stop it, so that two engines never
-        fight for one GPU."""
-        for _, status in self.client.spool.statuses():
-            if status is None or status.worker_id != self.worker_id or status.host != socket.gethostname():
-                continue
-            if not _is_worker_process(status.pid, self.cfg.spool_dir):
-                continue
-            log.warning(
-                "stopping the rollout worker an earlier launch of this run left running (pid %d, %s)",
-                status.pid,
-                self.worker_id,
-            )
-            stop_session(status.pid, wait=lambda timeout, pid=status.pid: _wait_gone(pid, timeout))
-
-    def submit(
-        self,
-        prompts: list[str | list[dict]],
-        *,
-        weights: WeightsRef,
-        step: int,
-        attempt: int,
-        seed: int,
-        n: int | None = None,
-        temperature: float | None = None,
-        tag: str = "train",
-    ) -> Ticket:
-        """Send `n` samples (default G) of each prompt from `weights`, fanned out over the live
-        workers; returns at once. Requests the spool already holds are not sent again."""
-        parts = split_sizes(len(prompts), self.cfg.rollout.fan_out or len(self.client.spool.live_workers()))
-        ticket = Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag, parts)
-        requests = self._requests(ticket)
-        ticket = replace(ticket, request_ids=tuple(r.request_id for r in requests))
+    def submit(self, call: Ticket) -> Ticket:
+        """Send `call`, fanned out over the live workers; returns at once, with the requests that
+        carry it. Requests the spool already holds are not sent again."""
+        parts = split_sizes(len(call.prompts), self.cfg.rollout.fan_out or len(self.client.spool.live_workers()))
+        requests = self._requests(replace(call, parts=parts))
         self._send(requests)
-        return ticket
+        return replace(call, parts=parts, request_ids=tuple(r.request_id for r in requests))
 
     def restore(self, ticket: Ticket) -> None:
         """Take over a call a previous launch made: its results already in the spool are used, its
@@ -285,31 +164,13 @@ class RolloutService:
                 "--allowed-root or --max-model-len), then relaunch: the relaunch sends it again under a fresh id"
             )
         if resent >= self.cfg.rollout.error_retries:
-            where = f"; see {self.log_path}" if self.proc is not None else ""
+            where = f"; see {self.worker.log_path}" if self.worker is not None else ""
             raise RolloutUnavailable(
                 f"rollout request {request_id} failed{worker}: {error.code.value}: {error.message}. It failed "
                 f"{tries + 1} times, {resent + 1} of them in this launch, which sends a failed request again at most "
                 f"rollout.error_retries = {self.cfg.rollout.error_retries} times{where}. Relaunch to try again "
                 "(the relaunch sends it again under a fresh id), or raise rollout.error_retries"
             )
-
-    def sample(
-        self,
-        prompts: list[str | list[dict]],
-        *,
-        weights: WeightsRef,
-        step: int,
-        attempt: int,
-        seed: int,
-        n: int | None = None,
-        temperature: float | None = None,
-        tag: str = "train",
-    ) -> list[Group]:
-        """`n` samples (default G) of each prompt, from the given weights: submit, then collect."""
-        ticket = self.submit(
-            prompts, weights=weights, step=step, attempt=attempt, seed=seed, n=n, temperature=temperature, tag=tag
-        )
-        return self.collect(ticket)
 
     def _requests(self, ticket: Ticket) -> list[Request]:
         r = self.cfg.rollout
@@ -366,52 +227,6 @@ def to_groups(result: Result, weights_step: int = 0) -> list[Group]:
         samples = [Sample(list(i), list(lp), t, f) for i, lp, t, f in zip(ids, logprobs, texts, reasons, strict=True)]
         groups.append(Group(list(prompt_ids), samples, weights_step))
     return groups
-
-
-def stop_session(pid: int, wait, timeout_s: float = 60.0) -> None:
-    """Stop a worker that leads its own process session: SIGTERM to it (it stops its engine and
-    gives back what it holds), SIGCONT to the session (a frozen worker must run to act on it),
-    `wait(timeout)` for it, then SIGKILL of the whole session (its engine processes share it)."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-        os.killpg(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
-    try:
-        wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _wait_gone(pid: int, timeout: float) -> None:
-    """Wait for a process that is not our child to exit."""
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(str(pid), timeout)
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
-def _is_worker_process(pid: int, spool_dir: Path) -> bool:
-    """`pid` is a live `rollout-svc serve` on this spool (not a pid reused by another program)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    return _alive(pid) and "serve" in args and str(spool_dir) in args and any("rollout-svc" in a for a in args)
 
 
 def _id_part(text: str) -> str:
