@@ -16,9 +16,9 @@ from conftest import ROLLOUT_SVC, make_config
 
 from protocol import exit_codes
 from protocol.spool import Spool, id_from_name, split_claimed_name
-from trainer_svc.loop import train
-from trainer_svc.rollout_client import RolloutService
+from trainer_svc.rollout.client import RolloutService
 from trainer_svc.rollout_types import Ticket, WeightsRef
+from trainer_svc.run.loop import train
 
 pytestmark = pytest.mark.timeout(900)
 

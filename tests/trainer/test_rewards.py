@@ -12,7 +12,14 @@ import time
 import pytest
 
 from protocol import answers
-from trainer_svc.rewards import CorrectAnswer, OverlongPenalty, Verifier, format_ok, format_penalty, overlong_penalty
+from trainer_svc.learning.rewards import (
+    CorrectAnswer,
+    OverlongPenalty,
+    Verifier,
+    format_ok,
+    format_penalty,
+    overlong_penalty,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ from failing_server import FailingSpoolServer, first
 
 from protocol.messages import ErrorCode, Result
 from protocol.spool import Spool
-from trainer_svc.rollout_client import RolloutService
+from trainer_svc.rollout.client import RolloutService
 from trainer_svc.rollout_types import RolloutFailed, RolloutUnavailable, Ticket, WeightsRef
 
 WEIGHTS = WeightsRef("/models/none", None, 3)  # the echo engine loads nothing

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .rollout_types import Group
+from ..rollout_types import Group
 
 
 @dataclass

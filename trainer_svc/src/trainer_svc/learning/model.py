@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .distributed import Distributed
+from ..distributed import Distributed
 
 log = logging.getLogger(__name__)
 

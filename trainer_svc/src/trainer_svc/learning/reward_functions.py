@@ -22,7 +22,7 @@ The calling convention (TRL's `reward_funcs`, with keyword arguments throughout)
   read-only.
 - Return one value per completion, in order: a list (or tuple) of bools, ints or floats (numpy's
   scalars too), each finite.
-- A user's function runs in a worker process of its own (trainer_svc.reward_process: its main
+- A user's function runs in a worker process of its own (trainer_svc.learning.reward_process: its main
   thread, so libraries that time themselves with signals work) and must return within
   `reward.timeout_s`, or the process is killed.
 
@@ -31,7 +31,7 @@ or a NaN or infinity, stops the run (RewardFunctionError: exit 2) with a message
 function and the sample, or the call's samples where no one sample is to blame; it never scores
 as 0. Each function's mean value (unweighted) is logged per step as `reward/<name>`.
 
-The built-ins (trainer_svc.rewards) follow the same convention and run inline: `correct` (the
+The built-ins (trainer_svc.learning.rewards) follow the same convention and run inline: `correct` (the
 verifier: 1 for a correct answer, else 0), `format` and `overlong` (penalties in [-1, 0]).
 """
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from protocol import exit_codes
 
-from .config import BUILTIN_REWARDS, RewardConfig
+from ..config import BUILTIN_REWARDS, RewardConfig
 from .reward_process import LoadError, NotAList, NotAValue, Overran, Raised, UserFunctions, describe, find_module
 from .rewards import CorrectAnswer, OverlongPenalty, Verifier, format_ok, format_penalty
 

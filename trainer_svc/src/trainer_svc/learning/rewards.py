@@ -1,6 +1,6 @@
 """The built-in reward terms and the verifier behind them.
 
-Each built-in is a reward function in the calling convention of trainer_svc.reward_functions
+Each built-in is a reward function in the calling convention of trainer_svc.learning.reward_functions
 (keyword arguments, one float per completion), named in `reward.functions` by its short name:
 
     correct    1.0 where the completion's answer equals the row's gold, else 0.0. The answer and

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .atomic_dir import building
-from .config import Config
-from .data import DataError, Problem, is_conversation, load_problems
+from ..config import Config
+from ..data import DataError, Problem, is_conversation, load_problems
+from ..weights.atomic_dir import building
 
 log = logging.getLogger(__name__)
 

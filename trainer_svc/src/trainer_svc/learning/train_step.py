@@ -2,7 +2,7 @@
 this rank's share of each.
 
     per update (a part of the step's sequences; one part by default):
-        per micro-batch: logprobs, correction of the engine/trainer gap (trainer_svc.corrections),
+        per micro-batch: logprobs, correction of the engine/trainer gap (trainer_svc.learning.corrections),
         clipped surrogate with the update's fixed token weights (+ k3 KL) -> backward, accumulate
         -> clip the gradient norm -> optimizer step
     -> scheduler step (the learning rate moves once per training step)
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import Config
+from ..distributed import Distributed
+from ..rollout_types import Group
 from . import corrections, grpo
 from .batch import Batch, collate, micro_batches, rank_share
-from .config import Config
-from .distributed import Distributed
 from .model import compile_enabled
-from .sampling import StepRollouts
 
 # What a step that generated no tokens reports: there is no loss to take.
 _NOTHING_LEARNED = {
@@ -94,10 +94,10 @@ def old_logprobs(model, micro: list[Batch], cfg: Config, compiled: bool = False)
     return [sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)[0] for mb in micro]
 
 
-def learn(policy: Policy, rollouts: StepRollouts, cfg: Config, dist_info: Distributed) -> dict:
-    """The step's updates on its rollouts (every rank takes its share of each); returns the
-    step's statistics, over all ranks, the same on every rank."""
-    batch = collate(rollouts.groups, rollouts.advantages, policy.pad_id)
+def learn(policy: Policy, groups: list[Group], advantages: torch.Tensor, cfg: Config, dist_info: Distributed) -> dict:
+    """The step's updates on its sampled groups and their advantages ([P, G]; every rank takes its
+    share of each); returns the step's statistics, over all ranks, the same on every rank."""
+    batch = collate(groups, advantages, policy.pad_id)
     if int(batch.mask.sum()) == 0:  # nothing was generated: no loss to take, the tripwire judges the step
         policy.scheduler.step()
         return {**_NOTHING_LEARNED, "lr": policy.scheduler.get_last_lr()[0]}
@@ -214,7 +214,7 @@ class _Tally:
             "lr": lr,
             "mismatch_mean": sums["mismatch"] / tokens,
             "mismatch_max": peaks["mismatch_max"],
-            # the engine/trainer gap (trainer_svc.corrections): ratio = p_old / q_engine per token
+            # the engine/trainer gap (trainer_svc.learning.corrections): ratio = p_old / q_engine per token
             "ratio_mean": sums["ratio_sum"] / tokens,
             "ratio_max": peaks["ratio_max"],
             "corrected_fraction": sums["changed_sum"] / tokens,

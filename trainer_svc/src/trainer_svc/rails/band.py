@@ -18,10 +18,10 @@ from pathlib import Path
 from protocol.fsio import replace_atomic
 from protocol.weights_dir import weights_content_id
 
-from .config import Config
-from .data import DataError, load_problems
-from .rewards import Verifier
-from .rollout_types import Ticket, WeightsRef
+from ..config import Config
+from ..data import DataError, load_problems
+from ..learning.rewards import Verifier
+from ..rollout_types import Ticket, WeightsRef
 
 BATCH = 64  # prompts per request
 
@@ -42,7 +42,7 @@ def run_band(cfg: Config, sampler=None) -> dict:
         )
     own_sampler = sampler is None
     if own_sampler:
-        from .rollout_client import RolloutService
+        from ..rollout.client import RolloutService
 
         sampler = RolloutService(cfg)
     verifier = Verifier()

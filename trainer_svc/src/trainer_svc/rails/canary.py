@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .config import Config
-from .data import DataError, Problem
-from .outputs import StepLog
-from .rewards import Verifier
-from .rollout_types import Ticket, WeightsRef
-from .sampling import Sampler
+from ..config import Config
+from ..data import DataError, Problem
+from ..learning.rewards import Verifier
+from ..records import StepLog
+from ..rollout.sampling import Sampler
+from ..rollout_types import Ticket, WeightsRef
 
 CANARY_FILE = "canary.jsonl"
 

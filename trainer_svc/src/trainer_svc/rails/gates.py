@@ -21,13 +21,13 @@ from pathlib import Path
 from protocol import answers, exit_codes
 from protocol.weights_dir import weights_content_id
 
-from .config import BUILTIN_REWARDS, Config, RewardConfig
-from .data import Problem
-from .outputs import write_json_atomic
-from .placement import physical_gpu, requested_rollout_gpu
-from .reward_functions import Rewards
-from .rewards import Verifier
-from .rollout_types import Group, Sample
+from ..config import BUILTIN_REWARDS, Config, RewardConfig
+from ..data import Problem
+from ..learning.reward_functions import Rewards
+from ..learning.rewards import Verifier
+from ..records import write_json_atomic
+from ..rollout.placement import physical_gpu, requested_rollout_gpu
+from ..rollout_types import Group, Sample
 
 CEILING_PERFECT_MIN = 0.99
 CEILING_WRONG_MAX = 0.01

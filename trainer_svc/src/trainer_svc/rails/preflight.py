@@ -10,7 +10,7 @@ from pathlib import Path
 
 from protocol import exit_codes
 
-from .config import Config
+from ..config import Config
 
 
 class PreflightError(RuntimeError):

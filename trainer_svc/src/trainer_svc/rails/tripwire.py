@@ -26,25 +26,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Annotated
 
-import msgspec
-
-# Defined here, not taken from config.py: the config holds a TripwireConfig section.
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class TripwireConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    armed: bool = True  # false: judge and report (would_fire) but never stop the run
-    window: Annotated[int, msgspec.Meta(ge=2)] = 20  # steps averaged per judgement; one step is noise
-    min_entropy: NonNegativeFloat = 0.02  # nats per token; fires below it. 0 switches this signal off
-    # in reward units; fires when the window mean is more than this below the best window mean.
-    # Must be > 0: at 0 any dip of a noisy reward below its best would stop the run.
-    max_reward_drop: PositiveFloat = 0.3
-    min_response_length: NonNegativeFloat = 0.5  # tokens; fires below it. 0 switches this signal off
-    # of rollout.max_tokens; fires when the mean length reaches it. Must be > 0: at 0 every run fires.
-    max_length_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.98
+from ..config import TripwireConfig
 
 
 class CollapseTripwire:

@@ -44,8 +44,8 @@ from protocol.messages import Request, Result
 from protocol.rows import prompt_fields
 from protocol.spool import split_claimed_name
 
-from .config import Config
-from .rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket
+from ..config import Config
+from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket
 from .spawned_worker import SpawnedWorker
 
 log = logging.getLogger(__name__)

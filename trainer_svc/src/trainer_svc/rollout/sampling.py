@@ -33,12 +33,12 @@ from typing import Protocol
 
 import torch
 
-from . import grpo
-from .config import Config
-from .data import Problem, PromptStream
-from .distributed import Distributed
-from .reward_functions import GroupScores, Rewards
-from .rollout_types import Group, Ticket, WeightsRef
+from ..config import Config
+from ..data import Problem, PromptStream
+from ..distributed import Distributed
+from ..learning import grpo
+from ..learning.reward_functions import GroupScores, Rewards
+from ..rollout_types import Group, Ticket, WeightsRef
 from .spares import SpareSizer
 
 __all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "summarize"]

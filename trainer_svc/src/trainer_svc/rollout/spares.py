@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .config import RolloutConfig
+from ..config import RolloutConfig
 
 WINDOW = 8  # first samplings the dead rate is measured over: recent enough to follow the policy
 Z = 1.645  # one-sided 95% of the normal distribution

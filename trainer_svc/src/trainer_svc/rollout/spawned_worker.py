@@ -22,9 +22,9 @@ from pathlib import Path
 from protocol.spool import Spool
 from protocol.weight_slots import ring_dir
 
-from .config import Config
+from ..config import Config
+from ..rollout_types import RolloutUnavailable
 from .placement import rollout_gpu
-from .rollout_types import RolloutUnavailable
 
 log = logging.getLogger(__name__)
 

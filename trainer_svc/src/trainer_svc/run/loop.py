@@ -24,11 +24,11 @@ from dataclasses import asdict
 
 from protocol import exit_codes
 
-from . import checkpoint as ckpt
-from .config import Config
-from .run import MakeSampler, Run, setup
-from .sampling import summarize
-from .train_step import learn
+from ..config import Config
+from ..learning.train_step import learn
+from ..rollout.sampling import summarize
+from ..weights import checkpoint as ckpt
+from .setup import MakeSampler, Run, setup
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def steps(run: Run) -> int:
         with timer.phase("rollout"):
             rollouts = run.sample(state.step, run.weights)
         with timer.phase("train"):
-            stats = learn(run.policy, rollouts, cfg, run.dist_info)
+            stats = learn(run.policy, rollouts.groups, rollouts.advantages, cfg, run.dist_info)
         state.step += 1
         if run.sync.due(state.step):
             with timer.phase("publish"):

@@ -21,14 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
-from . import gates, outputs
-from .canary import Canary
-from .checkpoint import Checkpoint, RunState
-from .config import Config, dump
-from .data import PromptStream, check_chat_template, load_problems
-from .distributed import Distributed, init_distributed
-from .model import (
+from ..config import Config, dump
+from ..data import PromptStream, check_chat_template, load_problems
+from ..distributed import Distributed, init_distributed
+from ..learning.model import (
     compile_enabled,
     load_policy,
     load_reference,
@@ -36,15 +32,21 @@ from .model import (
     resolve_dtype,
     use_compile_cache,
 )
+from ..learning.reward_functions import Rewards
+from ..learning.rewards import Verifier
+from ..learning.train_step import Policy, make_optimizer, make_scheduler
+from ..rails import gates
+from ..rails.canary import Canary
+from ..rails.tripwire import CollapseTripwire
+from ..records import write_bytes_atomic
+from ..rollout.sampling import Sampler, StepSampler
+from ..rollout_types import WeightsRef
+from ..weights import checkpoint as ckpt
+from ..weights.checkpoint import Checkpoint, RunState
+from ..weights.sync import WeightSync
+from . import outputs
 from .outputs import Outputs
-from .reward_functions import Rewards
-from .rewards import Verifier
-from .rollout_types import WeightsRef
-from .sampling import Sampler, StepSampler
 from .trackers import Tracking
-from .train_step import Policy, make_optimizer, make_scheduler
-from .tripwire import CollapseTripwire
-from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         cfg, dist_info.world_size, dist_info.is_main, tokenizer, train_problems + held_out, verifier
     )
     if dist_info.is_main:  # only a config that passed the gates becomes the run's
-        outputs.write_bytes_atomic(cfg.run_dir / "config.resolved.toml", dump(cfg))
+        write_bytes_atomic(cfg.run_dir / "config.resolved.toml", dump(cfg))
 
     policy = load_trainable(cfg, dist_info, tokenizer)
     stream = PromptStream(train_problems, seed=cfg.run.seed)
@@ -245,6 +247,6 @@ def make_rollout_sampler(cfg: Config, make_sampler: MakeSampler | None, dist_inf
     launch_id = secrets.token_hex(3)
     if make_sampler is not None:
         return make_sampler(cfg, launch_id)
-    from .rollout_client import RolloutService
+    from ..rollout.client import RolloutService
 
     return RolloutService(cfg, world_size=dist_info.world_size)

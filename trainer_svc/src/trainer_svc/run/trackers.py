@@ -42,8 +42,8 @@ from urllib.parse import urlparse
 
 import msgspec
 
-from .config import Config, dump
-from .outputs import write_json_atomic
+from ..config import Config, dump
+from ..records import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -52,8 +52,8 @@ from protocol.weights_dir import (
     step_of,
 )
 
+from ..distributed import Distributed
 from .atomic_dir import building
-from .distributed import Distributed
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RunState:
     horizon: int | None = None  # train.steps the run was started with (None: a fresh run)
     started_at: float = field(default_factory=time.time)
     in_flight: list[dict] = field(default_factory=list)  # sampling calls sent, not yet trained on (StepSampler)
-    spares: dict | None = None  # the dead-rate measurements that size the spares (spares.SpareSizer)
+    spares: dict | None = None  # the dead-rate measurements that size the spares (rollout.spares.SpareSizer)
     rollout_weights: dict | None = None  # the WeightsRef requests named at the save (None: older checkpoints)
     row: dict | None = None  # the checkpoint step's metrics row, as known at the save
 

@@ -47,11 +47,11 @@ from protocol.watch import filesystem_type, needs_polling
 from protocol.weights_chain import DELTA_FILE
 from protocol.weights_dir import STEP_PREFIX, step_content_id
 
+from ..distributed import Distributed, on_rank0
 from . import publish as published
 from .atomic_dir import building, remove_stale_partials
-from .distributed import Distributed, on_rank0
-from .safetensors_stream import write_small
-from .weights_writer import TensorStream, as_stream, finish_published
+from .streaming import write_small
+from .writer import TensorStream, as_stream, finish_published
 
 log = logging.getLogger(__name__)
 

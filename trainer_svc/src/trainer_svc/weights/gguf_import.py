@@ -183,7 +183,7 @@ def _weights_bytes(model, dtype: str) -> tuple[bytes, int]:
     import torch
     from safetensors.torch import save
 
-    from .weights_writer import omitted_names
+    from .writer import omitted_names
 
     target = getattr(torch, dtype)
     omit = omitted_names(model)

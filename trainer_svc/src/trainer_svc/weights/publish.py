@@ -72,9 +72,9 @@ from protocol.weights_dir import (
     step_of,
 )
 
+from ..distributed import Distributed
 from .atomic_dir import PARTIAL_SUFFIX, move_into_place, remove_stale_partials, staging_dir
-from .distributed import Distributed
-from .weights_writer import TensorStream, write_weights_dir
+from .writer import TensorStream, write_weights_dir
 
 _SPOOL_STATES = ("requests", "claimed")  # where a request is pending or being served
 _MAX_REQUEST_BYTES = 64 * 2**20  # a worker refuses larger request files

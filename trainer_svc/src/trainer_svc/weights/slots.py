@@ -54,10 +54,10 @@ from protocol.weight_slots import (
 )
 from protocol.weights_dir import COPIED_FILES, step_content_id
 
-from .config import Config
-from .distributed import Distributed, on_rank0
+from ..config import Config
+from ..distributed import Distributed, on_rank0
 from .publish import _named_by_spool
-from .weights_writer import TensorStream, iter_full_tensors
+from .writer import TensorStream, iter_full_tensors
 
 log = logging.getLogger(__name__)
 

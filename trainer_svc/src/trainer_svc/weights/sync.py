@@ -32,15 +32,14 @@ from protocol import weight_delta, weights_chain
 from protocol.weight_slots import ring_dir
 from protocol.weights_dir import MANIFEST
 
-from . import outputs
+from ..config import Config
+from ..distributed import Distributed
+from ..rollout_types import WeightsRef
 from . import publish as published
 from .checkpoint import ROLLOUT_WEIGHTS
-from .config import Config
-from .delta_publish import DeltaPublisher, deltas_wanted
-from .distributed import Distributed
-from .rollout_types import WeightsRef
-from .slot_publish import SlotRing, publish_slot, slots_choice
-from .weights_writer import iter_full_tensors, serving_dtype
+from .deltas import DeltaPublisher, deltas_wanted
+from .slots import SlotRing, publish_slot, slots_choice
+from .writer import iter_full_tensors, serving_dtype
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class WeightSync:
 
     def describe(self) -> str:
         """For the banner: where publishes go, in which form, and why."""
-        directories = outputs.describe_weight_sync(self.cfg)  # full directories or sparse deltas, and why
+        directories = describe_weight_sync(self.cfg)  # full directories or sparse deltas, and why
         return f"{self.path}; its directories: {directories}" if self.slotted else f"{self.path}: {directories}"
 
     def close(self, run_over: bool) -> None:
@@ -194,3 +193,11 @@ class WeightSync:
             step,
         )
         return None
+
+
+def describe_weight_sync(cfg) -> str:
+    """How weights reach the workers: 'full directories (...)' or 'sparse deltas (...)'."""
+    on, why = deltas_wanted(cfg.publish.delta, cfg.publish_dir)
+    if on:
+        return f"sparse deltas, a full anchor every {cfg.publish.delta_anchor_every} publishes ({why})"
+    return f"full directories ({why})"

@@ -69,9 +69,9 @@ import torch
 
 from protocol.weights_dir import COPIED_FILES, MANIFEST, FileEntry, Manifest, encode_manifest
 
+from ..distributed import Distributed, on_rank0
 from .atomic_dir import building
-from .distributed import Distributed, on_rank0
-from .safetensors_stream import (
+from .streaming import (
     SAFETENSORS_DTYPES,
     BufferPool,
     Buffers,
