@@ -115,10 +115,6 @@ class Verifier:
         self.timeouts = 0  # second opinions abandoned at timeout_s
         self.second_opinions = 0  # answers sent to the worker
 
-    @property
-    def has_second_opinion(self) -> bool:
-        return self._second_opinion is not None
-
     def verify(self, predicted: str | None, gold: str) -> bool:
         decided = answers.verdict(predicted, gold, self.rel_tol)
         if decided is not None:
