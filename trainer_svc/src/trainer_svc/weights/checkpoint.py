@@ -53,7 +53,7 @@ from protocol.weights_dir import (
 )
 
 from ..distributed import Distributed
-from .atomic_dir import building
+from .atomic_dir import building, remove_stale_partials
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +257,7 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
         if not (path / PINNED_FILE).exists():
             shutil.rmtree(path)
             removed.append(path)
-    for leftover in root.glob(f".{STEP_PREFIX}*.partial"):  # from a crash mid-save
-        shutil.rmtree(leftover, ignore_errors=True)
+    remove_stale_partials(root, STEP_PREFIX)  # from a crash mid-save
     return removed
 
 

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from protocol import weights_chain
-from protocol.fsio import fsync_dir, fsync_tree, read_regular_file
+from protocol.fsio import fsync_dir, read_regular_file
 from protocol.weights_dir import (
     STEP_PREFIX,
     ManifestError,
@@ -73,7 +73,7 @@ from protocol.weights_dir import (
 )
 
 from ..distributed import Distributed
-from .atomic_dir import PARTIAL_SUFFIX, move_into_place, remove_stale_partials, staging_dir
+from .atomic_dir import PARTIAL_SUFFIX, building, remove_stale_partials
 from .writer import TensorStream, write_weights_dir
 
 _SPOOL_STATES = ("requests", "claimed")  # where a request is pending or being served
@@ -175,15 +175,8 @@ def restore_published(copy: Path, publish_dir: Path) -> Published:
     if manifest.step is None:
         raise ManifestError(f"{copy}: its manifest names no step; only a published step directory can be restored")
     dest = published_dir(publish_dir, manifest.step)
-    Path(publish_dir).mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(dest)
-    try:
-        shutil.copytree(copy, staging)
-        fsync_tree(staging)
-        move_into_place(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with building(dest) as staging:
+        shutil.copytree(copy, staging, dirs_exist_ok=True)
     return next(p for p in list_published(publish_dir) if p.path == dest)
 
 
