@@ -27,8 +27,7 @@ Ranks. DDP and FSDP all-reduce gradients by AVERAGING over the R ranks:
 
 A rank must thus multiply its local loss by R (``rank_scale(R)``) so that
 g = (1 / R) * sum_r R * grad L_r = grad L_step, the gradient of one process computing the whole
-step. (If the reduction is configured to sum instead of average, the scale is 1.) Gradient
-clipping and the optimizer then see the same gradient whatever the world size.
+step: clipping and the optimizer see the same gradient whatever the world size.
 
 The naive alternative, a mean over each micro-batch's own tokens divided by the number of
 micro-batches, weighs a token by 1 / (tokens in its micro-batch): the gradient then changes

@@ -12,10 +12,6 @@ Each built-in is a reward function in the calling convention of trainer_svc.lear
     overlong   DAPO's soft overlong penalty of the completion's length, in [-1, 0]
                (overlong_penalty; 0 while reward.overlong_buffer = 0).
 
-    verifier = Verifier()
-    CorrectAnswer(verifier)(completions=["20", "2"], prompts=["3+17="] * 2, gold=["20", "20"])  # [1.0, 0.0]
-    verifier.close()
-
 With the default weights (1, 0, 1) the reward is exactly 0 or 1 and the shaping terms only
 subtract: a correct, well-formed answer that ends well before the token cap earns exactly the
 weight of `correct`.

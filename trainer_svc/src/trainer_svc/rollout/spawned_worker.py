@@ -49,7 +49,7 @@ class SpawnedWorker:
             raise RolloutUnavailable(
                 f"{executable} does not exist: create the rollout venv with `make venvs`, or set rollout.rollout_venv"
             )
-        ring = None  # the run's slot ring, where its weights may be published (weight_sync)
+        ring = None  # the run's slot ring, where its weights may be published (weights.sync)
         if cfg.publish.slots != "off" and Path(cfg.publish.slots_dir).is_dir():
             ring = ring_dir(cfg.publish.slots_dir, cfg.run_dir)
             ring.mkdir(exist_ok=True)  # an allowed root must exist when the worker starts

@@ -1,6 +1,6 @@
 """Resume checkpoints: what a relaunch needs, in one atomically renamed directory, every
 `checkpoint.every` steps and at every stop, at the end and when the tripwire fires. (The weight
-sync is separate: weight_sync publishes the weights alone, every step.)
+sync is separate: weights.sync publishes the weights alone, every `publish.every` steps.)
 
     run_dir/checkpoints/step_00000012/
         config.json, generation_config.json, tokenizer files   copied from the base model

@@ -1,29 +1,21 @@
 """Publishing weights as sparse deltas: a step directory holding only the elements that changed.
 
-    publisher = DeltaPublisher(anchor_every=8)
-    published = publisher.publish(step, iter_full_tensors(model, dist_info), publish_dir=...,
-                                  base_model=..., dist_info=dist_info, run_name=..., dtype=...)
-    publisher.last                       what the publish was: full or delta, changed elements, bytes, seconds
-
 A delta publish is a step directory as protocol.weights_chain describes it: the config and
 tokenizer files, one encoded delta (protocol.weight_delta) against the previous publish, and a
 manifest (written last, renamed into place like every publish) whose `delta_base` is the content
 id the delta applies to. A rollout worker rebuilds it from the chain (rollout_svc.delta_load).
 
 Guarantees:
-
 - What is diffed is what was published: each tensor cast to the serving dtype once (on its
   device), in host memory, never the float32 master weights; the publisher keeps the last
   publish's tensors (one copy of the model in the serving dtype, on rank 0) and diffs the next
   against them, so the anchor and the deltas after it rebuild each publish bit for bit. A full
   publish writes those same host tensors. Host tensors already in the serving dtype are read
-  where they are (no copy) and copied into the kept ones only when the publish is full; a delta
-  is written into the kept copy after its directory is in place.
+  where they are (no copy).
 - At most `anchor_every - 1` deltas follow a full publish (the anchor), so a worker that holds
   nothing reads at most that many deltas after one full directory.
 - A delta is published only when it is smaller than `DELTA_PAYS` of the full weights (a 4-byte
-  index and the new value per changed element: at bfloat16 a sixth of the elements changing
-  already costs half the bytes, at float32 a quarter); otherwise the publish is full, and that is the new anchor.
+  index and the new value per changed element); otherwise the publish is full: a new anchor.
 - The first publish of a process is full (nothing is held to diff against: a resume, a restart).
 - Atomic and durable like every publish (atomic_dir, fsync of each file and of the directory).
 

@@ -3,25 +3,17 @@
 
     trainer-svc import-gguf MODEL.gguf OUT_DIR [--dtype bfloat16] [--expect PIN.json]
 
-    OUT_DIR/
-        config.json              the model's config, without quantization_config (the weights are
-                                 dequantized); architectures and dtype set as save_pretrained sets them
-        generation_config.json   eos_token_id: the token that ends an assistant turn in the chat
-                                 template (and the tokenizer's eos, when that is another)
-        model.safetensors        every weight in `dtype`; tied duplicates (lm_head.weight when it is
-                                 embed_tokens.weight) left out, as save_pretrained leaves them out
-        tokenizer files          as transformers saves the tokenizer it builds from the file,
-                                 chat template included (chat_template.jinja)
-        manifest.json            content_id, each file's size, crc32c and sha256, the source file
-                                 and the library versions that made it; written last
-                                 (protocol.weights_dir's Manifest, canonical JSON)
+OUT_DIR is an HF directory: config.json without quantization (the weights are dequantized), a
+generation config whose eos_token_id is the token that ends an assistant turn in the chat
+template, model.safetensors in `dtype` (tied duplicates left out, as save_pretrained does), the
+tokenizer files with the chat template, and manifest.json last (canonical JSON: content id, each
+file's size, crc32c and sha256, the source file, the library versions that made it).
 
 transformers reads the file (`from_pretrained(..., gguf_file=...)`, which needs the `gguf` and
 `accelerate` packages: `pip install 'trainer_svc[gguf]'`); so every architecture and quantization
 transformers reads is imported, dequantized into dense tensors.
 
 Guarantees:
-
 - Deterministic: the same file, with the same versions of transformers, tokenizers, gguf and torch,
   gives the same bytes in every file (JSON with sorted keys and no timestamps or versions, tensors
   in safetensors' order by name, no creation times).

@@ -1,53 +1,28 @@
-"""Published weights: what rollout workers load, one directory per optimizer step.
-
-    publish_dir/step_00000012/      an HF weights directory written by weights_writer (manifest last)
-
-API:
-
-    publish(step, tensors, *, publish_dir, base_model, dist_info=None, run_name=None, dtype=None,
-            omit=(), max_shard_bytes=..., checksums=True) -> Published | None
-    latest_published(publish_dir) -> Published | None
-    list_published(publish_dir) -> list[Published]
-    discard_newer_than(publish_dir, step) -> list[Path]
-    restore_published(copy, publish_dir) -> Published
-    prune_published(publish_dir, keep_last, spool_dir) -> list[Path]
+"""Published weights: what rollout workers load, one directory per optimizer step,
+publish_dir/step_NNNNNNNN/, an HF weights directory written by weights.writer (manifest last).
+One process publishes into a publish_dir (rank 0 of the trainer); every rank calls `publish`.
 
 Guarantees:
-
-- A `step_NNNNNNNN` directory is complete whenever it exists: it is written in a hidden sibling
-  and renamed into place (see weights_writer). Hidden `.step_*.partial` entries are a crashed
-  writer's leftovers; publish and prune remove those whose process is gone.
-- The directory follows protocol.weights_dir (its names, manifest and content ids). Content ids
-  follow the checkpoints' convention: `<run>-step_NNNNNNNN-<8 hex>`, unique per write
-  (weights_dir.step_content_id), so a worker tells two publications of one path apart and a
-  request may demand one (`weights_content_id`).
-- Directories are removed by renaming them to a hidden `.partial` name first, then deleting: a
-  reader never sees a half-deleted step directory under its own name.
-- prune_published never removes one of the newest `keep_last`, nor a directory that a request
-  in the spool's `requests/` or `claimed/` names as `weights_dir` (same real path), nor a link
-  that the chain of one of those needs (a delta publish's links back to its anchor:
-  protocol.weights_chain.needed). A request
-  file that cannot be parsed protects every directory whose name appears in its bytes; one that
-  cannot be read at all (or a spool whose listing keeps changing under the scan) stops the prune.
-  A request written while a prune runs is seen by a second scan, made once the candidates are
-  renamed out of sight and before anything is deleted: what it names is put back (a reader
-  looking in that instant finds the directory missing for a moment; a worker loads again).
-- discard_newer_than removes every step directory after `step` (a resumed run restores that
-  checkpoint; weights published after it belong to a future that will not happen). Requests still
-  naming them get `weights_not_found` from the worker.
-
+- A `step_NNNNNNNN` directory is complete whenever it exists (built by atomic_dir). Hidden
+  `.step_*.partial` entries are a crashed writer's leftovers; publish and prune remove those whose
+  process is gone.
+- It follows protocol.weights_dir (names, manifest, content ids). A content id,
+  `<run>-step_NNNNNNNN-<8 hex>`, is unique per write, so a worker tells two publications of one
+  path apart and a request may demand one (`weights_content_id`).
+- Directories are removed by renaming them to a hidden `.partial` name first, then deleting: no
+  reader sees a half-deleted step directory under its own name.
+- prune_published never removes one of the newest `keep_last`, nor a directory that a request in
+  the spool's `requests/` or `claimed/` names (same real path), nor a link the chain of one of
+  those needs (a delta's links back to its anchor: protocol.weights_chain.needed). A request file
+  that cannot be parsed protects every directory whose name appears in its bytes; one that cannot
+  be read (or a listing that keeps changing) stops the prune. A request written while a prune
+  runs is seen by a second scan, made once the candidates are out of sight and before anything is
+  deleted: what it names is put back (a reader in that instant finds it missing for a moment).
+- discard_newer_than removes every step directory after a resumed checkpoint's step: those
+  weights belong to steps that will be taken again. Requests still naming them get
+  `weights_not_found` from the worker.
 - restore_published puts a kept copy of a step directory (a checkpoint's `rollout_weights/`)
   back, byte for byte, content id included, so requests naming it are served as before.
-
-One process publishes into a publish_dir (rank 0 of the trainer). Use, each optimizer step, on
-every rank:
-
-    published = publish(step, iter_full_tensors(model, dist_info), publish_dir=..., base_model=...,
-                        dist_info=dist_info)
-    # rank 0: requests name published.path (weights_content_id=published.content_id), then
-    prune_published(publish_dir, keep_last, spool_dir)
-
-and on a resume from the checkpoint of step S, before the first publish: discard_newer_than(publish_dir, S).
 """
 
 from __future__ import annotations
@@ -111,8 +86,8 @@ def publish(
 
     `tensors`: iter_full_tensors(model, dist_info) on every rank (FSDP2: gathered one at a time),
     or a mapping on rank 0. dtype None: bfloat16 for CUDA tensors, the tensors' own on CPU.
-    `run_name` prefixes the content id (default: publish_dir's parent's name, the run directory
-    when publish_dir is run_dir/published). checksums=False leaves the crc32c checksums out of the manifest
+    `run_name` prefixes the content id (default: publish_dir's parent's name, the run directory's
+    for the default publish_dir, run_dir/weights). checksums=False leaves the crc32c checksums out of the manifest
     (they add 3-28% to a publish on a GPU host, and double it on a busy 2-core CPU: docs/BENCHMARKS.md).
     max_shard_bytes None: one shard per writer thread, written side by side (the fastest; an engine
     reads shards as it reads one file). Returns the record on rank 0, None elsewhere."""

@@ -1,17 +1,12 @@
 """Publishing into a ring of shared-memory slots: the weight sync where the trainer and its rollout
 worker share a host (protocol.weight_slots defines a slot; this module writes them).
 
-    ring = SlotRing(ring_dir(cfg), cfg.publish.slots_count, spool_dir=cfg.spool_dir, wait_s=...)
-    slot = ring.choose()                                 # a slot retired and free of readers, or None
-    written = ring.write(slot, step, content_id, stream, dtype, base_model)
-
 Per publish the tensors go from the trainer's device into the slot's mapping of tensors.bin (on a
 GPU one device-to-host copy per tensor into memory pinned once with cudaHostRegister; on a CPU a
 memcpy), with the sums of their 64-bit words taken on the device as they go. No file is written tensor by
 tensor, nothing is fsynced: a slot lives in memory, and a reboot ends the run's host anyway.
 
 Guarantees (protocol.weight_slots states the slot's; these are the writer's):
-
 - Never the newest slot: the slot a writer takes is one without complete weights, or a complete
   one other than the newest, so a writer SIGKILLed mid-write leaves the newest weights readable.
 - Never a slot in use: not one that a request in the spool's requests/ or claimed/ names (its

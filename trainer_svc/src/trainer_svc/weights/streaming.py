@@ -1,14 +1,6 @@
 """Safetensors files written as a stream: tensors go from their device to the file in chunks.
 
-    header(tensors, dtype) -> bytes                 a file's header, for (name, shape) in file order
-    ShardFile(path, pool, checksums)                .write(bytes), .append(name, tensor, dtype), .finish() -> FileEntry
-    Buffers(chunk_bytes, pinned, count)             the staging buffers, kept for the process's life
-    BufferPool(buffers)                             one write's buffers, shared by the files it writes
-    write_small(path, data) -> FileEntry            a whole small file, synced; its size and crc32c
-    write_error(exc, path, what) -> OSError         a failed write, named
-
 Guarantees:
-
 - The bytes are those of `safetensors.torch.save_file`: `header` writes the 8-byte little-endian
   length, then the compact JSON header (`__metadata__` {"format": "pt"}, then per tensor dtype,
   shape, data_offsets) padded with spaces to a multiple of 8; the tensors follow back to back, each
@@ -17,11 +9,9 @@ Guarantees:
   taken from a pool; full buffers are written by several threads at once, each to its own offset
   (pwrite), while the next buffers fill, and a buffer is written only once its copies are complete
   (a CUDA event) and given back to the pool only once its write and checksum are done. Files of
-  one write share the pool, so several files can be filled side by side: buffered writes into one
-  file are serialised by the kernel (the inode's lock), writes into different files are not. CPU
-  tensors of the file's dtype are written straight from their memory; other CPU tensors are cast
-  through the buffers. Small tensors share a chunk. A file's bytes do not depend on the chunk
-  size, the threads or the other files.
+  one write share the pool, so several can be filled side by side (the kernel serialises buffered
+  writes into one file, not into several). CPU tensors of the file's dtype are written straight
+  from their memory. A file's bytes do not depend on the chunk size, the threads or the other files.
 - Size and crc32c are counted on the bytes as they are written (no extra read); the crc32c runs on
   one helper thread, chunk after chunk in file order. Each written range is handed to the
   kernel's writeback at once (sync_file_range, where libc has it), so `finish`'s fsync waits only

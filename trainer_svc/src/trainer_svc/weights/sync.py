@@ -1,20 +1,16 @@
-"""The weight sync: publish the policy's weights where the rollout workers load them.
-
-    sync = WeightSync(cfg, dist_info)
-    weights = sync.resume(model, step, rollout_weights, checkpoint)  # after a resume: what requests named then
-    if sync.due(step):
-        weights = sync.publish(model, step)  # every `publish.every` steps, and at the last one
+"""The weight sync: publish the policy's weights where the rollout workers load them, every
+`publish.every` steps and at the last one.
 
 Each publish writes publish_dir/step_NNNNNNNN (HF layout in the serving dtype, manifest last,
-renamed into place: see publish and weights_writer) and names it in the next requests; with
+renamed into place: see publish and writer) and names it in the next requests; with
 `publish.delta` on (auto: over a network filesystem) a publish may be a sparse delta against the
-previous one (delta_publish), which the workers rebuild from its chain. Where the worker shares
+previous one (deltas), which the workers rebuild from its chain. Where the worker shares
 this host (`publish.slots`), a publish goes into a ring of shared-memory slots instead
-(slot_publish), which the requests name the same way; a directory is still written every
+(slots), which the requests name the same way; a directory is still written every
 `publish.dir_every` steps and at the last one (the portable form), and whenever no slot is free
 within `publish.slots_wait_s`. Its cost is the weights' bytes, never the optimizer's: resume
 checkpoints are a separate, slower cadence. Old directories are pruned unless a pending or
-claimed request still names them; slots are rewritten in turn (slot_publish says when).
+claimed request still names them; slots are rewritten in turn (slots says when).
 
 Every rank calls these (under FSDP2 the parameters are gathered one at a time for rank 0 to
 write) and gets the same WeightsRef back.

@@ -1,59 +1,28 @@
-"""Write a model's weights as a Hugging Face directory, ourselves, at the speed of the medium.
+"""Write a model's weights as a Hugging Face directory, ourselves, at the speed of the medium:
+config and tokenizer files copied from the base model, the tensors as safetensors (one file, or
+shards and their index; the bytes equal save_pretrained's, tested), and manifest.json last
+(protocol.weights_dir's Manifest).
 
-    dest/
-        config.json, generation_config.json, tokenizer files    copied byte for byte from base_model
-        model.safetensors                                      one file, or
-        model-00001-of-0000N.safetensors + model.safetensors.index.json   shards of max_shard_bytes
-                                                               (None: one per writer thread)
-        manifest.json                                          written last: step, content id, files
-                                                               (protocol.weights_dir's Manifest)
-
-API:
-
-    write_weights_dir(dest, tensors, *, base_model, step, content_id, dtype=None, omit=(),
-                      max_shard_bytes=..., chunk_bytes=..., checksums=True, dist_info=None) -> Written | None
-    iter_full_tensors(model, dist_info) -> TensorStream     every rank; under FSDP2 gathers one tensor at a time
-    omitted_names(model) -> set[str]                        what save_pretrained leaves out (tied duplicates)
-    serving_dtype(device) -> torch.dtype                    bfloat16 on GPU, None (the tensors' own) elsewhere
-
-`tensors` is a mapping name -> tensor, (name, tensor) pairs (collected first), or a TensorStream
-(names, shapes and dtypes known up front, tensors produced one at a time in the order the writer
-asks for: a safetensors header comes before the data, so the writer must know every shape first).
-
-Each file is a safetensors file as `safetensors.torch.save_file` writes it (safetensors_stream:
-header, then the tensors back to back), its tensors sorted by name; tensors go to shards in
-natural name order, a new shard when the next would pass max_shard_bytes, as save_pretrained
-splits them. The files' bytes equal save_pretrained's (tested).
+`tensors` is a mapping, (name, tensor) pairs, or a TensorStream: names, shapes and dtypes known up
+front (a safetensors header comes before the data), tensors produced one at a time in the order
+the writer asks for. Names are the model's state_dict names, which save_pretrained writes for
+models without a checkpoint conversion mapping.
 
 Guarantees:
-
-- Atomic (atomic_dir): everything is written in a hidden sibling `.<name>.<pid>.partial`, then
-  renamed into place; a reader sees no directory, the previous complete one, or the new complete
-  one, even if the writer is SIGKILLed at any point (tested). The next write of `dest` clears
-  what dead writers left.
-- Durable: one fsync per file, one for the new directory, one for the parent.
-- The manifest (`manifest.json`, protocol.weights_dir.Manifest) is the last file written: step,
-  content_id, dtype, bytes, and for each other file its size and crc32c (computed on the chunks as
-  they are written, no extra read).
-- Streaming (safetensors_stream): tensors go from their device to the file in chunks of
-  chunk_bytes (CUDA tensors cast on the device, through pinned host buffers, written by several
-  threads at their offsets); the crc32c and the kernel's writeback overlap the writes, so the
-  final fsync waits only for the tail. Shards are filled side by side (one tensor of each in
-  turn), so several files are written at once: the kernel serialises buffered writes into one
-  file, not into several.
-- Bad input is refused before anything is written when it is known up front (a non-floating-point
-  dtype, a non-contiguous tensor of a mapping, a missing config.json), otherwise when the tensor
-  arrives; the error names the tensor and what to do. A failed write (a full disk: ENOSPC, EFBIG,
-  EDQUOT) names the file and the tensor being written. In every case the staging directory is
-  removed and any previous `dest` is untouched.
-- Under FSDP2 every rank calls write_weights_dir with iter_full_tensors(model, dist_info): each
-  parameter is gathered (DTensor.full_tensor(), in the same order on every rank) and written by
-  rank 0 one at a time, so the whole model is never held in memory. If rank 0 fails, it still
-  takes part in the remaining gathers, and all ranks raise (rank 0 broadcasts the outcome), so no
-  rank is left waiting in a collective.
-
-Tensor names are the model's state_dict names, which is what save_pretrained writes for Llama,
-Qwen2 and other models without a checkpoint conversion mapping.
+- Atomic (atomic_dir): a reader sees no directory, the previous complete one, or the new complete
+  one, even if the writer is SIGKILLed at any point (tested). Durable: one fsync per file, one for
+  the directory, one for its parent.
+- The manifest is the last file written: step, content id, dtype, bytes, each file's size and
+  crc32c (computed on the chunks as they are written, no extra read).
+- Streaming (weights.streaming): tensors go from their device to the file in chunks (CUDA tensors
+  cast on the device, through pinned buffers, written by several threads at their offsets); shards
+  are filled side by side, since the kernel serialises buffered writes into one file, not several.
+- Bad input is refused before anything is written where it is known up front, else when the
+  tensor arrives; the error names the tensor and what to do. A failed write (a full disk) names
+  the file and the tensor. Either way the staging goes and any previous `dest` is untouched.
+- Under FSDP2 every rank calls write_weights_dir with iter_full_tensors: each parameter is gathered
+  in turn and written by rank 0, so the whole model is never in one process's memory; if rank 0
+  fails, the others still finish the gathers and every rank raises (distributed.on_rank0).
 """
 
 from __future__ import annotations
