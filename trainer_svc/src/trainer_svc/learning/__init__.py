@@ -1,0 +1,2 @@
+"""Learning from the samples: rewards, group advantages and the clipped loss (grpo), the
+engine/trainer corrections, the policy model, the train step, and the supervised warm-up."""
