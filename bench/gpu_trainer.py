@@ -58,7 +58,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from rollout_svc.tiny_model import build
-    from trainer_svc.loop import train
+    from trainer_svc.run.loop import train
 
     root = Path(tempfile.mkdtemp(prefix="gpu-trainer-"))
     model = build(root / "model", hidden=256, layers=4)

@@ -13,8 +13,8 @@ its check; for the adapter, the check of its manifest and files, the copy, and v
 The 1-token generation right after each load is reported too, against the same generation once
 more with nothing to load: what a path leaves to the first engine step (for an adapter, vLLM
 activates it in its LoRA slots there). Medians of --steps steps. The publishes are the trainer's
-writers: trainer_svc.publish (directory), trainer_svc.slot_publish (slot),
-trainer_svc.adapter_publish (adapter).
+writers: trainer_svc.weights.publish (directory), trainer_svc.weights.slots (slot),
+trainer_svc.weights.adapters (adapter).
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def measure(shape: str, steps: int, rank: int, shm: Path) -> dict:
     from protocol.weights_dir import Adapter, weights_content_id
     from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
-    from trainer_svc.adapter_publish import write_adapter_dir
-    from trainer_svc.publish import publish, published_dir
-    from trainer_svc.slot_publish import SlotRing
-    from trainer_svc.weights_writer import as_stream
+    from trainer_svc.weights.adapters import write_adapter_dir
+    from trainer_svc.weights.publish import publish, published_dir
+    from trainer_svc.weights.slots import SlotRing
+    from trainer_svc.weights.writer import as_stream
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-sync-", dir=shm))
     try:

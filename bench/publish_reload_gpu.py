@@ -1,5 +1,5 @@
 """The weight sync on a GPU host, as a training step pays it: the trainer publishes its weights
-(trainer_svc.weight_sync's writer: bf16 from the GPU, one directory per step) and a vLLM engine
+(trainer_svc.weights.sync's writer: bf16 from the GPU, one directory per step) and a vLLM engine
 (rollout_svc's VllmEngine, what the worker runs) reloads them in place and verifies them.
 
     python bench/publish_reload_gpu.py [--shape 1.5b] [--media /dev/shm,build] [--steps 5]
@@ -70,9 +70,9 @@ def main() -> None:
     from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
     from trainer_svc.distributed import Distributed
-    from trainer_svc.publish import publish
-    from trainer_svc.safetensors_stream import use_writer_threads, writer_threads
-    from trainer_svc.weights_writer import iter_full_tensors
+    from trainer_svc.weights.publish import publish
+    from trainer_svc.weights.streaming import use_writer_threads, writer_threads
+    from trainer_svc.weights.writer import iter_full_tensors
 
     work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
     base, model = base_model(work, args.shape)

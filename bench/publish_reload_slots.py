@@ -70,9 +70,9 @@ def measure(shape: str, device: str, steps: int, shm: Path) -> dict:
 
     from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
-    from trainer_svc.publish import publish
-    from trainer_svc.slot_publish import SlotRing
-    from trainer_svc.weights_writer import as_stream
+    from trainer_svc.weights.publish import publish
+    from trainer_svc.weights.slots import SlotRing
+    from trainer_svc.weights.writer import as_stream
 
     work = Path(tempfile.mkdtemp(prefix="bench-slots-", dir=shm))
     try:

@@ -84,7 +84,7 @@ def make_model(shape: str, checkpointing: bool, compiled: bool):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled:
-        from trainer_svc.model import compile_layers
+        from trainer_svc.learning.model import compile_layers
 
         compile_layers(model)
     return model
@@ -128,10 +128,10 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
     import msgspec
     import torch
 
-    from trainer_svc.batch import collate
     from trainer_svc.config import Config
     from trainer_svc.distributed import Distributed
-    from trainer_svc.train_step import StepTotals, make_optimizer, make_scheduler, train_step
+    from trainer_svc.learning.batch import collate
+    from trainer_svc.learning.train_step import StepTotals, make_optimizer, make_scheduler, train_step
 
     cfg = msgspec.convert(
         {

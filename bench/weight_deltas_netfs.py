@@ -11,9 +11,9 @@ The mounts are the tests' (tests/netfs.py): an sshd of its own on a loopback por
 caches on. Each step flips the lowest mantissa bit of `--fraction` of the elements (the changed
 fraction a real run measures: bench/weight_deltas.py), then, side by side:
 
-- full: trainer_svc.publish.publish of the step into the trainer's mount; the worker reads the
+- full: trainer_svc.weights.publish.publish of the step into the trainer's mount; the worker reads the
   directory's shards from its own mount (what an in-place reload reads);
-- delta: trainer_svc.delta_publish.DeltaPublisher (an anchor first, then deltas) into the
+- delta: trainer_svc.weights.deltas.DeltaPublisher (an anchor first, then deltas) into the
   trainer's mount; the worker's loader (rollout_svc.delta_load) reads the delta from its mount,
   applies it to the copy it holds and writes the rebuilt weights to its tmpfs, then reads them
   from there (what the engine's reload of the rebuilt directory reads).
@@ -45,8 +45,8 @@ from safetensors.torch import load_file  # noqa: E402
 from protocol.watch import filesystem_type  # noqa: E402
 from rollout_svc.delta_load import DeltaLoader  # noqa: E402
 from rollout_svc.weights import WeightsPolicy  # noqa: E402
-from trainer_svc.delta_publish import DeltaPublisher  # noqa: E402
-from trainer_svc.publish import publish  # noqa: E402
+from trainer_svc.weights.deltas import DeltaPublisher  # noqa: E402
+from trainer_svc.weights.publish import publish  # noqa: E402
 
 MODEL = ROOT / "build" / "smollm2-135m-instruct"
 

@@ -1,4 +1,4 @@
-"""Publishing weights: trainer_svc.weights_writer against save_pretrained and the medium's raw speed.
+"""Publishing weights: trainer_svc.weights.writer against save_pretrained and the medium's raw speed.
 
     .venvs/trainer/bin/python bench/weights_writer.py [--shapes tiny,llama-100m] [--media DISK_DIR,/dev/shm]
                                                       [--repeats 5] [--json OUT]
@@ -132,7 +132,7 @@ def timed(fn) -> float:
 
 
 def write(model, dist_info, base_dir: Path, step: int, checksums: bool, out: Path) -> None:
-    from trainer_svc.weights_writer import iter_full_tensors, write_weights_dir
+    from trainer_svc.weights.writer import iter_full_tensors, write_weights_dir
 
     stream = iter_full_tensors(model, dist_info)
     write_weights_dir(out, stream, base_model=base_dir, step=step, content_id=f"bench-{step}", checksums=checksums)

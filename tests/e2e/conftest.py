@@ -208,3 +208,48 @@ def storages(tmp_path_factory):
     storages = Storages(tmp_path_factory.mktemp("storages"))
     yield storages
     storages.close()
+
+
+TRAINER = TESTS.parent / ".venvs" / "trainer" / "bin" / "trainer-svc"
+
+
+class TrainerFleet:
+    """What the modules that run `trainer-svc` as a process share: an allowed root, the tiny model
+    warmed up once by `trainer-svc sft` (LEARNING's warm-up: its samples are sometimes right, so
+    steps have gradients), and one vLLM worker serving a shared spool under that root. Each
+    module keeps its runs in a folder of its own (`room`)."""
+
+    def __init__(self, root: Path, base: Path, model: Path, worker: ServedWorker):
+        self.root, self.base, self.model, self.worker = root, base, model, worker
+        self.spool = worker.spool
+        self.worker_log = worker.log_dir / f"{worker.worker_id}.log"
+
+    def room(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(exist_ok=True)
+        return path
+
+
+@pytest.fixture(scope="session")
+def trainer_fleet(tmp_path_factory):
+    """One engine start and one warm-up for every module that runs the trainer: the engine starts
+    (on the tiny model; each run's requests name its own weights) while the warm-up trains."""
+    from run_config import LEARNING, write_run_config
+
+    root = tmp_path_factory.mktemp("trainer-fleet")
+    base = root / "tiny"
+    subprocess.run([str(BIN / "rollout-svc"), "tiny-model", str(base)], check=True, capture_output=True)
+    spool = Spool(root / "shared-spool", create=True)
+    args = ["--engine", "vllm", "--allowed-root", str(root), "--weights", str(base), "--max-model-len", "64"]
+    worker = ServedWorker(spool, "trainer-fleet", [*args, "--idle-exit", "0"], log_dir=root)
+    worker.start()
+    try:
+        model = root / "sft-model"
+        sections = {"run": {"dir": root / "sft-run"}, "model": {"path": model}, "sft": {"base": base}}
+        config = write_run_config(root / "sft.toml", LEARNING, sections)
+        done = subprocess.run([str(TRAINER), "sft", str(config)], capture_output=True, text=True, timeout=800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        keep_running(worker)
+        yield TrainerFleet(root, base, model, worker)
+    finally:
+        worker.kill()

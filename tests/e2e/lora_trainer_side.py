@@ -3,12 +3,12 @@ trainer_svc live there; the e2e tests run in the rollout venv).
 
     python lora_trainer_side.py publish BASE PUBLISH_DIR STEP RANK SEED
         a random LoRA adapter of rank RANK on BASE (seeded, lora_B non-zero so it changes the
-        model), published by the trainer's own writer (trainer_svc.adapter_publish) as
+        model), published by the trainer's own writer (trainer_svc.weights.adapters) as
         PUBLISH_DIR/step_STEP; prints its directory and content id
     python lora_trainer_side.py logprobs ADAPTER_DIR TEMPERATURE   (stdin: [[prompt_ids, token_ids], ...])
         the trainer's logprobs of each token under the adapter: the model built as training builds
-        it (model.load_policy with the adapter), the adapter's tensors loaded as a resume loads them,
-        the trainer's logprob math (grpo.logprobs_and_entropy); prints them as JSON
+        it (learning.model.load_policy with the adapter), the adapter's tensors loaded as a resume loads them,
+        the trainer's logprob math (learning.grpo.logprobs_and_entropy); prints them as JSON
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import torch
 from protocol.weights_dir import ADAPTER_WEIGHTS, read_manifest, weights_content_id
 from trainer_svc.config import LoraConfig
 from trainer_svc.distributed import Distributed
-from trainer_svc.grpo import logprobs_and_entropy
-from trainer_svc.lora import load_adapter_tensors
-from trainer_svc.model import load_policy
+from trainer_svc.learning.grpo import logprobs_and_entropy
+from trainer_svc.learning.lora import load_adapter_tensors
+from trainer_svc.learning.model import load_policy
 
 ONE = Distributed(0, 1, torch.device("cpu"))
 
 
 def publish(base: str, publish_dir: str, step: int, rank: int, seed: int) -> None:
-    from trainer_svc.adapter_publish import publish_adapter
+    from trainer_svc.weights.adapters import publish_adapter
 
     torch.manual_seed(seed)
     model = load_policy(base, torch.float32, ONE, lora=LoraConfig(rank=rank, alpha=16.0))

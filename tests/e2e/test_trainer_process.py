@@ -13,8 +13,8 @@ Determinism: vLLM's CPU build samples reproducibly for a seeded request. The sam
 and from an engine restarted in a new process (measured with vLLM 0.32.0: 3 prompts x 8
 samples, temperature 1, every token and logprob equal). The trainer seeds each request from
 run.seed and the step and trains deterministically on the CPU (run.deterministic), so the runs
-here compare exactly. They share one worker (rollout.spawn = false): one engine start for the
-module.
+here compare exactly. They share the session's worker (rollout.spawn = false): no engine start of
+their own.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import ServedWorker, keep_running, poll
+from conftest import keep_running, poll
 from run_config import ROLLOUT_VENV, SMALL_STEPS, merge, write_run_config
 from small_fs import small_tmpfs
 
 from protocol import exit_codes
-from protocol.spool import Spool
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -56,37 +55,24 @@ def write_config(path: Path, run_dir: Path, model: Path, spool: Path, **sections
 
 
 @pytest.fixture(scope="module")
-def setting(tmp_path_factory):
-    """A briefly warmed-up tiny model (its samples are sometimes right, so steps have gradients),
-    one vLLM worker on a shared spool, and the uninterrupted run's per-step metrics."""
-    base = tmp_path_factory.mktemp("trainer-process")
-    tiny = base / "tiny"
-    subprocess.run([str(ROOT / ".venvs/rollout/bin/rollout-svc"), "tiny-model", str(tiny)], check=True)
-    # The worker's engine starts (on the tiny model; each run's requests name its own weights)
-    # while the warm-up trains.
-    spool = Spool(base / "spool", create=True)
-    worker = ServedWorker(
-        spool, "trainer-rollout",
-        ["--engine", "vllm", "--allowed-root", str(base), "--weights", str(tiny), "--max-model-len", "64",
-         "--idle-exit", "0"],
-        log_dir=base,
-    )  # fmt: skip
-    worker.start()
-    try:
-        model = base / "warm"
-        warm_up = dict(base=tiny, problems=60, steps=150, stop_at_accuracy=0.15, eval_every=25, eval_problems=64)
-        sft = write_config(base / "sft.toml", base / "sft-run", model, base / "spool", sft=warm_up)
-        done = subprocess.run([str(TRAINER), "sft", str(sft)], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        keep_running(worker)
-        straight = base / "straight"
-        finished = launch(write_config(base / "straight.toml", straight, model, spool.root))
-        assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
-        expected = step_rows(straight)
-        assert len(expected) == STEPS and any(row["grad_norm"] > 0 for row in expected)
-        yield {"base": base, "model": model, "spool": spool, "worker": worker, "expected": expected}
-    finally:
-        worker.kill()
+def setting(trainer_fleet):
+    """The session's warmed-up tiny model and shared vLLM worker (conftest's trainer_fleet), this
+    module's folder under its allowed root, and the uninterrupted run's per-step metrics."""
+    base = trainer_fleet.room("process")
+    keep_running(trainer_fleet.worker)
+    straight = base / "straight"
+    finished = launch(write_config(base / "straight.toml", straight, trainer_fleet.model, trainer_fleet.spool.root))
+    assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
+    expected = step_rows(straight)
+    assert len(expected) == STEPS and any(row["grad_norm"] > 0 for row in expected)
+    return {
+        "base": base,
+        "model": trainer_fleet.model,
+        "spool": trainer_fleet.spool,
+        "worker": trainer_fleet.worker,
+        "worker_log": trainer_fleet.worker_log,
+        "expected": expected,
+    }
 
 
 def launch(config: Path, file_size_limit: int | None = None) -> subprocess.Popen:
@@ -280,7 +266,7 @@ def test_a_run_publishing_sparse_deltas_samples_exactly_as_one_publishing_full_w
     assert "sparse deltas, a full anchor every 4 publishes (publish.delta = on)" in trainer_log  # the banner
     published = [line for line in trainer_log.splitlines() if "delta_publish: published step" in line]
     assert sum(" delta (against " in line for line in published) >= STEPS // 2, published
-    worker_log = (setting["base"] / "trainer-rollout.log").read_text()
+    worker_log = setting["worker_log"].read_text()
     prefix = f"delta_load: rebuilt {setting['base'] / 'deltas-bf16' / 'weights'}/step_"
     assert sum(prefix in line for line in worker_log.splitlines()) >= STEPS // 2
     assert rows == expected

@@ -16,10 +16,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ServedWorker, keep_running
+from conftest import keep_running
 from run_config import LEARNING, write_run_config
 
-from protocol.spool import Spool
 from protocol.weight_slots import ring_dir
 
 pytestmark = pytest.mark.timeout(900)
@@ -66,32 +65,10 @@ def gain(run_dir: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    base_dir = tmp_path_factory.mktemp("trainer-smoke")
-    base = base_dir / "tiny"
-    subprocess.run(
-        [str(ROOT / ".venvs" / "rollout" / "bin" / "rollout-svc"), "tiny-model", str(base)],
-        check=True,
-        capture_output=True,
-    )
-    # The shared worker's engine starts while the warm-up trains.
-    spool = Spool(base_dir / "shared-spool", create=True)
-    worker = ServedWorker(
-        spool, "smoke-shared",
-        ["--engine", "vllm", "--allowed-root", str(base_dir), "--weights", str(base), "--max-model-len", "64",
-         "--idle-exit", "0"],
-        log_dir=base_dir,
-    )  # fmt: skip
-    worker.start()
-    try:
-        model = base_dir / "sft-model"
-        config = write_config(base_dir / "sft.toml", base_dir / "sft-run", model, base)
-        done = run("sft", str(config))
-        assert done.returncode == 0, done.stderr[-3000:]
-        keep_running(worker)
-        yield base_dir, base, model, spool.root
-    finally:
-        worker.kill()
+def warm(trainer_fleet):
+    """The warmed-up model and the shared worker of the session (conftest's trainer_fleet)."""
+    keep_running(trainer_fleet.worker)
+    return trainer_fleet.room("smoke"), trainer_fleet.base, trainer_fleet.model, trainer_fleet.spool.root
 
 
 def test_grpo_through_the_spool_raises_the_reward_and_the_control_does_not(warm):

@@ -450,9 +450,9 @@ PUBLISH_BOTH = """
 import sys
 from pathlib import Path
 from safetensors.torch import load_file
-from trainer_svc.publish import publish
-from trainer_svc.slot_publish import SlotRing
-from trainer_svc.weights_writer import as_stream
+from trainer_svc.weights.publish import publish
+from trainer_svc.weights.slots import SlotRing
+from trainer_svc.weights.writer import as_stream
 
 model, out = Path(sys.argv[1]), Path(sys.argv[2])
 tensors = load_file(model / "model.safetensors")

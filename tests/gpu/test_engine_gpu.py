@@ -14,7 +14,7 @@ import pytest
 from gpu_support import GIB, GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, free_bytes, gib
 
 from protocol.messages import Request
-from rollout_svc.engines.host import wait_gone
+from rollout_svc.engines.host import descendants, wait_gone
 from rollout_svc.engines.vllm import VllmEngine
 from rollout_svc.weights import WeightsPolicy
 
@@ -23,6 +23,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 # What a closed engine may leave behind in the readings: nothing of its own (its processes are
 # gone), but the reading moves by the allocator and driver noise of other processes.
 READING_NOISE = 1 * GIB
+
+
+def engine_processes(engine: VllmEngine) -> set[int]:
+    """The engine's process and every process it started (empty without an engine)."""
+    return {engine.host.pid, *descendants(engine.host.pid)} if engine.host is not None else set()
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +109,13 @@ def test_in_place_reload_serves_the_new_tensors_in_the_same_process(engine, mode
     import torch
 
     prompt = ["12+7="]
-    before_pids = engine.process_ids()
+    before_pids = engine_processes(engine)
     before = engine.generate([request(models["a"], prompt)])[0]
     started = time.monotonic()
     load = engine.load(str(models["b"]))
     print(f"\nin-place reload {load.seconds:.3f} s ({load.bytes} bytes; {time.monotonic() - started:.3f} s seen here); "
           f"engine build {engine.build_s:.1f} s")  # fmt: skip
-    assert engine.process_ids() == before_pids, "a reload in place must not start another engine"
+    assert engine_processes(engine) == before_pids, "a reload in place must not start another engine"
     # Every tensor the engine holds under a checkpoint name (fused ones have other names) equals the file's.
     shapes = engine.probe("parameter_sizes")
     expected = file_sums(models["b"], set(shapes), torch.float32)
@@ -129,17 +134,17 @@ def test_rebuilds_give_the_old_engines_memory_back_first(engine_and_baseline, en
     print(f"\none engine holds {gib(one_engine)} (baseline free {gib(baseline)})")
     assert one_engine > 2 * READING_NOISE, "the engine's memory does not show in the readings"
     for name in ("wide", "retok"):  # another architecture; the same one with another tokenizer file
-        old = engine.process_ids()
+        old = engine_processes(engine)
         load = engine.load(str(models[name]))
         assert wait_gone(old, 0) == set(), f"{name}: processes {old} of the old engine still run"
-        assert engine.process_ids().isdisjoint(old)
+        assert engine_processes(engine).isdisjoint(old)
         held = baseline - free_bytes()
         print(f"{name}: rebuilt in {load.seconds:.1f} s; engines now hold {gib(held)}")
         # One engine's worth, not two: the first was gone before the second took its memory.
         assert held < one_engine * 1.25 + READING_NOISE, f"{name}: {gib(held)} held after the rebuild"
         [completion] = engine.generate([request(models[name], ["12+7="], max_tokens=10)])
         assert completion.token_ids[0][0] == reference.greedy(models[name], completion.prompt_token_ids[0], 10)
-    last = engine.process_ids()
+    last = engine_processes(engine)
     engine.close()
     assert wait_gone(last, 0) == set()
     left = baseline - free_bytes()

@@ -21,8 +21,8 @@ for path in (TESTS, TESTS.parent / "trainer_svc" / "src"):
 
 from protocol.weight_slots import SLOT_DATA, combine_sums, read_slot_manifest, word_sum  # noqa: E402
 from rollout_svc import slot_load  # noqa: E402
-from trainer_svc.slot_publish import SlotRing  # noqa: E402
-from trainer_svc.weights_writer import as_stream  # noqa: E402
+from trainer_svc.weights.slots import SlotRing  # noqa: E402
+from trainer_svc.weights.writer import as_stream  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -24,7 +24,7 @@ from hf_weights import assert_bit_equal, build_llama, load_model, read_all  # no
 from manifest_check import verify  # noqa: E402
 
 from trainer_svc.distributed import Distributed  # noqa: E402
-from trainer_svc.weights_writer import (  # noqa: E402
+from trainer_svc.weights.writer import (  # noqa: E402
     TensorSpec,
     TensorStream,
     iter_full_tensors,

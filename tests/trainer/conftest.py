@@ -43,7 +43,7 @@ def make_config(run_dir: Path, model: Path, **sections):
 @pytest.fixture(scope="session")
 def warm_model(tiny_model, tmp_path_factory) -> Path:
     """The tiny model after a short supervised warm-up (answers 0..9 sums now and then)."""
-    from trainer_svc.sft import run_sft
+    from trainer_svc.learning.sft import run_sft
 
     base = tmp_path_factory.mktemp("warm")
     out = base / "model"

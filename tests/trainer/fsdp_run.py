@@ -14,8 +14,8 @@ torch.set_num_threads(1)
 from local_sampler import TorchSampler  # noqa: E402
 
 from trainer_svc.config import Config  # noqa: E402
-from trainer_svc.loop import train  # noqa: E402
-from trainer_svc.run import exit_process  # noqa: E402
+from trainer_svc.run.loop import train  # noqa: E402
+from trainer_svc.run.setup import exit_process  # noqa: E402
 
 if __name__ == "__main__":
     cfg = msgspec.json.decode(Path(sys.argv[1]).read_bytes(), type=Config)

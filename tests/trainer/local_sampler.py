@@ -8,6 +8,8 @@ same groups as the original would have."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from protocol.weight_slots import SLOT_DATA, combine_sums, is_slot, read_slot_manifest, word_sum
@@ -109,8 +111,8 @@ class TorchSampler:
             groups.append(Group(prompt_ids, samples))
         return groups
 
-    def submit(self, prompts, *, weights, step, attempt, seed, n=None, temperature=None, tag="train") -> Ticket:
-        ticket = Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag, (len(prompts),))
+    def submit(self, call: Ticket) -> Ticket:
+        ticket = replace(call, parts=(len(call.prompts),))
         self.submitted.append(ticket)
         return ticket
 

@@ -11,7 +11,7 @@ from conftest import make_config
 from local_sampler import TorchSampler
 
 from protocol import exit_codes
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_svc.batch import Batch, collate, micro_batches, rank_share
+from trainer_svc.learning.batch import Batch, collate, micro_batches, rank_share
 from trainer_svc.rollout_types import Group, Sample
 
 torch.set_num_threads(1)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_svc import checkpoint
 from trainer_svc.distributed import Distributed
+from trainer_svc.weights import checkpoint
 
 torch.set_num_threads(1)
 
@@ -199,7 +199,7 @@ def test_load_optimizer_state_restores_adam_moments(tmp_path, trained, base_mode
 def test_load_weights_reads_a_checkpoint_in_one_file_or_in_shards(tmp_path):
     from safetensors.torch import save_file
 
-    from trainer_svc.checkpoint import load_weights
+    from trainer_svc.weights.checkpoint import load_weights
 
     tensors = {"a.weight": torch.arange(6.0).view(2, 3), "b.weight": torch.ones(4), "c.bias": torch.zeros(2)}
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"

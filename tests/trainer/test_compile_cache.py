@@ -12,7 +12,7 @@ import sys
 # What inductor itself resolves as its cache directory (where its compilations are written),
 # after the trainer chose one; compiling for real costs tens of seconds on a CPU.
 COMPILES = """
-from trainer_svc.model import use_compile_cache
+from trainer_svc.learning.model import use_compile_cache
 chosen = use_compile_cache()
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 print(chosen, cache_dir())

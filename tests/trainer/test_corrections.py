@@ -1,4 +1,4 @@
-"""trainer_svc.corrections against hand-written references (Python loops over tokens), and the
+"""trainer_svc.learning.corrections against hand-written references (Python loops over tokens), and the
 train step's use of them and of several updates per batch, on the tiny model."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_config
 
-from trainer_svc.corrections import correction_stats, correction_weights, log_ratio
+from trainer_svc.learning.corrections import correction_stats, correction_weights, log_ratio
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.1, -4.0, -1.0]])
 ENGINE = torch.tensor([[-1.0, -0.5, -2.0, -9.0], [-0.3, -0.1, -1.0, -1.1]])
@@ -136,8 +136,8 @@ def test_the_config_refuses_bands_and_caps_that_would_correct_agreement(tmp_path
 
 def tiny_policy(tiny_model, cfg):
     from trainer_svc.distributed import Distributed
-    from trainer_svc.model import load_policy
-    from trainer_svc.train_step import Policy, make_optimizer, make_scheduler
+    from trainer_svc.learning.model import load_policy
+    from trainer_svc.learning.train_step import Policy, make_optimizer, make_scheduler
 
     torch.manual_seed(0)
     dist_info = Distributed(0, 1, torch.device("cpu"))
@@ -147,10 +147,9 @@ def tiny_policy(tiny_model, cfg):
 
 
 def rollouts(engine_logprob: float, prompts: int = 4, samples: int = 4):
-    """Fixed groups of random tokens, advantages of both signs, the engine's logprobs all
+    """Fixed groups of random tokens and advantages of both signs, the engine's logprobs all
     `engine_logprob`."""
     from trainer_svc.rollout_types import Group, Sample
-    from trainer_svc.sampling import StepRollouts
 
     g = torch.Generator().manual_seed(1)
     groups = [
@@ -160,11 +159,7 @@ def rollouts(engine_logprob: float, prompts: int = 4, samples: int = 4):
         )
         for _ in range(prompts)
     ]
-    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5]] * prompts)
-    return StepRollouts(
-        problems=[], groups=groups, rewards=torch.zeros(prompts, samples), scores=[], advantages=advantages,
-        dead_initial=0, dead_final=0, retries=0,
-    )  # fmt: skip
+    return groups, torch.tensor([[1.0, -1.0, 0.5, -0.5]] * prompts)
 
 
 def parameters(model) -> torch.Tensor:
@@ -174,14 +169,14 @@ def parameters(model) -> torch.Tensor:
 def test_icepop_masks_every_token_the_engine_sampled_from_far_away(tiny_model, tmp_path):
     """Engine logprobs of -30 against the trainer's few units: every ratio is huge, every token
     masked, nothing learned; without a correction the same step moves the weights."""
-    from trainer_svc.train_step import learn
+    from trainer_svc.learning.train_step import learn
 
     moved = {}
     for kind in ("none", "icepop"):
         cfg = make_config(tmp_path, tiny_model, loss={"correction": kind}, train={"grad_accum": 2})
         policy, dist_info = tiny_policy(tiny_model, cfg)
         before = parameters(policy.model)
-        stats = learn(policy, rollouts(-30.0), cfg, dist_info)
+        stats = learn(policy, *rollouts(-30.0), cfg, dist_info)
         moved[kind] = float((parameters(policy.model) - before).abs().max())
         assert stats["ratio_max"] > 1e6 and stats["kl_engine"] > 10
         assert stats["corrected_fraction"] == (1.0 if kind == "icepop" else 0.0)
@@ -191,8 +186,8 @@ def test_icepop_masks_every_token_the_engine_sampled_from_far_away(tiny_model, t
 def test_several_updates_per_batch_step_the_optimizer_each_and_the_schedule_once(tiny_model, tmp_path, monkeypatch):
     """Two updates: the second part sees a policy the first moved, so its ratio is not 1 (with
     one update every ratio is exactly 1); the learning rate moves once per training step."""
-    import trainer_svc.train_step as train_step
-    from trainer_svc import grpo
+    import trainer_svc.learning.train_step as train_step
+    from trainer_svc.learning import grpo
 
     seen, real = {}, grpo.clipped_policy_loss
     for updates in (1, 2):
@@ -206,7 +201,7 @@ def test_several_updates_per_batch_step_the_optimizer_each_and_the_schedule_once
             return loss, stats
 
         monkeypatch.setattr(train_step.grpo, "clipped_policy_loss", recorded)
-        train_step.learn(policy, rollouts(-1.0), cfg, dist_info)
+        train_step.learn(policy, *rollouts(-1.0), cfg, dist_info)
         monkeypatch.undo()
         steps = {int(state["step"]) for state in policy.optimizer.state.values()}
         assert steps == {updates} and policy.scheduler.last_epoch == 1

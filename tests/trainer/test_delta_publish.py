@@ -17,8 +17,8 @@ torch.set_num_threads(1)
 
 from protocol import weight_delta, weights_chain  # noqa: E402
 from protocol.weights_dir import read_manifest  # noqa: E402
-from trainer_svc.delta_publish import DeltaPublisher, deltas_wanted  # noqa: E402
-from trainer_svc.publish import prune_published  # noqa: E402
+from trainer_svc.weights.deltas import DeltaPublisher, deltas_wanted  # noqa: E402
+from trainer_svc.weights.publish import prune_published  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from manifest_check import verify  # noqa: E402

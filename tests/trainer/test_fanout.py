@@ -16,9 +16,9 @@ from conftest import ROLLOUT_SVC, make_config
 
 from protocol import exit_codes
 from protocol.spool import Spool, id_from_name, split_claimed_name
-from trainer_svc.loop import train
-from trainer_svc.rollout import RolloutService
-from trainer_svc.rollout_types import WeightsRef
+from trainer_svc.rollout.client import RolloutService
+from trainer_svc.rollout_types import Ticket, WeightsRef
+from trainer_svc.run.loop import train
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -50,13 +50,13 @@ class KillingService(RolloutService):
         self.tickets = []
         self.killed_claims: list[str] = []
 
-    def submit(self, prompts, **kwargs):
-        if kwargs["step"] != KILLED_STEP or kwargs["attempt"] != 0 or self.killed_claims:
-            self.tickets.append(super().submit(prompts, **kwargs))
+    def submit(self, call):
+        if call.step != KILLED_STEP or call.attempt != 0 or self.killed_claims:
+            self.tickets.append(super().submit(call))
             return self.tickets[-1]
         os.killpg(self.procs["vllm-a"].pid, signal.SIGSTOP)
         try:
-            self.tickets.append(super().submit(prompts, **kwargs))
+            self.tickets.append(super().submit(call))
             # Only this call's requests count: a claim B has already answered stays in claimed/
             # for a moment after its result is published.
             mine = set(self.tickets[-1].request_ids)
@@ -145,9 +145,9 @@ def test_every_part_of_a_call_names_the_call_and_another_call_another(tmp_path):
     weights = WeightsRef("/models/none", None, 3)
     prompts = [f"{i}+1=" for i in range(7)]
     try:
-        first = service.submit(prompts, weights=weights, step=7, attempt=0, seed=1)
-        retry = service.submit(prompts[:3], weights=weights, step=7, attempt=1, seed=2)
-        ahead = service.submit(prompts, weights=weights, step=8, attempt=0, seed=3)
+        first = service.submit(Ticket(tuple(prompts), weights, 7, 0, 1))
+        retry = service.submit(Ticket(tuple(prompts[:3]), weights, 7, 1, 2))
+        ahead = service.submit(Ticket(tuple(prompts), weights, 8, 0, 3))
     finally:
         service.close()
     files = {path.name: json.loads(path.read_bytes()) for path in (spool_dir / "requests").iterdir()}
@@ -160,7 +160,7 @@ def test_every_part_of_a_call_names_the_call_and_another_call_another(tmp_path):
         os.unlink(spool_dir / "requests" / f"{request_id}.json")
     again = RolloutService(cfg, cuda_devices=0)
     try:
-        assert again.submit(prompts, weights=weights, step=7, attempt=0, seed=1) == first
+        assert again.submit(Ticket(tuple(prompts), weights, 7, 0, 1)) == first
     finally:
         again.close()
     for request_id in first.request_ids:

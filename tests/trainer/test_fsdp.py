@@ -16,7 +16,7 @@ from local_sampler import TorchSampler
 from safetensors.torch import load_file
 
 from protocol import exit_codes
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 HERE = Path(__file__).parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"

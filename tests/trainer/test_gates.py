@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 from protocol import exit_codes
 from protocol.messages import WorkerStatus
 from protocol.weights_dir import weights_content_id
-from trainer_svc import gates
 from trainer_svc.cli import app
 from trainer_svc.data import Problem, arithmetic_problems
-from trainer_svc.gates import GateRefused
-from trainer_svc.rewards import Verifier
+from trainer_svc.learning.rewards import Verifier
+from trainer_svc.rails import gates
+from trainer_svc.rails.gates import GateRefused
 
 ROLLOUT_VENV = ROOT / ".venvs" / "rollout"
 
@@ -108,7 +108,7 @@ class NeverRight(Verifier):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    from trainer_svc.model import load_tokenizer
+    from trainer_svc.learning.model import load_tokenizer
 
     return load_tokenizer(str(tiny_model))
 
@@ -404,7 +404,7 @@ def fake_rollout_venv(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def spawned_worker_gpus(cfg, tmp_path, world_size: int = 2, cuda_devices: int = 4) -> str:
-    from trainer_svc.rollout import RolloutService
+    from trainer_svc.rollout.client import RolloutService
 
     venv, record = fake_rollout_venv(tmp_path)
     service = RolloutService(
@@ -413,7 +413,7 @@ def spawned_worker_gpus(cfg, tmp_path, world_size: int = 2, cuda_devices: int = 
         cuda_devices=cuda_devices,
     )
     try:
-        assert service.proc.wait(timeout=30) == 0
+        assert service.worker.proc.wait(timeout=30) == 0
     finally:
         service.close()
     return record.read_text()
@@ -462,7 +462,7 @@ def test_topology_colocate_shares_rank_0s_gpu_only_when_asked(cfg, monkeypatch):
 def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_only_when_asked(
     cfg, tmp_path, monkeypatch, sleep_s
 ):
-    from trainer_svc.rollout import RolloutService
+    from trainer_svc.rollout.client import RolloutService
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     venv, record = tmp_path / "fake-venv", tmp_path / "worker-args.txt"
@@ -474,7 +474,7 @@ def test_colocated_worker_gets_rank_0s_gpu_its_memory_share_and_sleeps_only_when
     shared = replace(cfg, rollout={**rollout, "colocate_sleep_s": sleep_s})
     service = RolloutService(shared, world_size=1, cuda_devices=1)
     try:
-        assert service.proc.wait(timeout=30) == 0
+        assert service.worker.proc.wait(timeout=30) == 0
     finally:
         service.close()
     gpu, *args = record.read_text().split()
@@ -508,7 +508,7 @@ def refused_relaunch(warm_model, tmp_path) -> tuple[GateRefused, Path, str]:
     """A finished 2-step run relaunched with train.steps = 4: (the refusal, run_dir, metrics before)."""
     from local_sampler import TorchSampler
 
-    from trainer_svc.loop import train
+    from trainer_svc.run.loop import train
 
     first = make_config(tmp_path / "run", warm_model, train={"steps": 2})
     assert train(first, make_sampler=TorchSampler) == exit_codes.OK

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from protocol import exit_codes
 from protocol.weights_dir import FileEntry, files_content_id, weights_content_id
 from trainer_svc.cli import app
-from trainer_svc.gguf_import import ImportMismatch, import_gguf, write_pin
+from trainer_svc.weights.gguf_import import ImportMismatch, import_gguf, write_pin
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # manifest_check, shared with the other tiers
 from manifest_check import verify  # noqa: E402
@@ -250,7 +250,7 @@ def test_the_command_imports_and_refuses_a_file_that_is_not_gguf(tiny_gguf, tmp_
 
 
 def test_the_cli_never_imports_the_converter_or_gguf_until_asked():
-    probe = "import sys, trainer_svc.cli; print(sorted({'gguf', 'trainer_svc.gguf_import', 'transformers'} & set(sys.modules)))"  # noqa: E501
+    probe = "import sys, trainer_svc.cli; print(sorted({'gguf', 'trainer_svc.weights.gguf_import', 'transformers'} & set(sys.modules)))"  # noqa: E501
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from trainer_svc.grpo import (
+from trainer_svc.learning.grpo import (
     clipped_policy_loss,
     group_advantages,
     kl_k3,

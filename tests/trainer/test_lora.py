@@ -23,7 +23,7 @@ from test_resume import run, step_rows
 from protocol import exit_codes
 from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, read_manifest, weights_content_id
 from trainer_svc.config import ConfigError, load
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 HERE = Path(__file__).parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -181,7 +181,7 @@ def test_a_target_module_the_model_lacks_is_named_with_the_models_own(warm_model
     from transformers import AutoModelForCausalLM
 
     from trainer_svc.config import LoraConfig
-    from trainer_svc.lora import with_adapter
+    from trainer_svc.learning.lora import with_adapter
 
     model = AutoModelForCausalLM.from_pretrained(warm_model, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"cannot be applied to LlamaForCausalLM.*'q_proj'"):

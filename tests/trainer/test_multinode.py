@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from spool_server import SpoolServer
 
 from protocol import exit_codes
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 HERE = Path(__file__).parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_svc.outputs import METRICS, MetricsLog, read_metrics, summary, write_json_atomic
+from trainer_svc.records import write_json_atomic
+from trainer_svc.run.outputs import METRICS, MetricsLog, read_metrics, summary
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
@@ -104,7 +105,7 @@ def test_reopen_appends_the_checkpoints_row_when_the_log_lost_it(tmp_path):
 REWRITE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys
 from pathlib import Path
-from trainer_svc.outputs import MetricsLog
+from trainer_svc.run.outputs import MetricsLog
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
 try:
@@ -246,7 +247,7 @@ def test_the_canary_history_is_kept_like_the_metrics_a_damaged_line_never_stops_
     its middle neither stops the relaunch nor loses the readable rows."""
     from conftest import make_config
 
-    from trainer_svc.canary import CANARY_FILE, Canary
+    from trainer_svc.rails.canary import CANARY_FILE, Canary
 
     cfg = make_config(tmp_path, tmp_path, canary={"every": 10})
     rows = [{"step": s, "accuracy": s / 10, "n": 4, "weights_dir": "w", "time": 0.0} for s in (10, 20, 30)]

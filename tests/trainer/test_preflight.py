@@ -15,7 +15,7 @@ from protocol import exit_codes
 from protocol.messages import WorkerStatus
 from protocol.spool import Spool
 from trainer_svc.config import Config
-from trainer_svc.preflight import PreflightError, check_model_dir, check_run_dir, check_spool
+from trainer_svc.rails.preflight import PreflightError, check_model_dir, check_run_dir, check_spool
 
 
 def make_config(tmp_path: Path, **rollout) -> Config:
@@ -119,7 +119,7 @@ def test_run_dir_under_a_regular_file(tmp_path):
 
 
 def test_publish_dir_under_a_regular_file_names_its_key(tmp_path):
-    from trainer_svc.preflight import check_publish_dir
+    from trainer_svc.rails.preflight import check_publish_dir
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

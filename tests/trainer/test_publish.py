@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 from protocol.weights_dir import weights_content_id  # noqa: E402
 from trainer_svc.distributed import Distributed  # noqa: E402
-from trainer_svc.publish import (  # noqa: E402
+from trainer_svc.weights.publish import (  # noqa: E402
     discard_newer_than,
     latest_published,
     list_published,
@@ -29,7 +29,7 @@ from trainer_svc.publish import (  # noqa: E402
     publish,
     published_dir,
 )
-from trainer_svc.weights_writer import iter_full_tensors  # noqa: E402
+from trainer_svc.weights.writer import iter_full_tensors  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # manifest_check, shared with the other tiers
 from manifest_check import verify  # noqa: E402
@@ -174,7 +174,7 @@ def test_a_request_written_while_the_prune_runs_keeps_its_weights(base, tmp_path
     """A producer names an older step just after the prune's scan, and a worker claims it and
     starts loading: the prune's second scan, made before it deletes, sees the claim and puts that
     directory back; a reader finds every file it opens after the prune."""
-    import trainer_svc.publish as publish_module
+    import trainer_svc.weights.publish as publish_module
 
     publish_dir = tmp_path / "pub"
     paths = publish_steps(publish_dir, base, range(1, 5))

@@ -22,7 +22,7 @@ from failing_server import FailingSpoolServer, first
 from protocol import exit_codes
 from protocol.messages import ErrorCode
 from trainer_svc.config import dump
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 TRAINER = str(Path(sys.executable).parent / "trainer-svc")
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}

@@ -13,7 +13,7 @@ from local_sampler import TorchSampler
 
 from protocol import exit_codes
 from protocol.weight_slots import ring_dir
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 

@@ -1,4 +1,4 @@
-"""Reward functions (trainer_svc.reward_functions): a user's function imported from a module on
+"""Reward functions (trainer_svc.learning.reward_functions): a user's function imported from a module on
 the path and called by the convention, in a worker process of its own; each way a function can
 fail stops scoring with a message naming the function and the sample; the default functions score
 exactly as the reward did before them; each function's mean is a metric, `reward/<name>`."""
@@ -17,15 +17,15 @@ import pytest
 import torch
 from conftest import make_config
 
-from trainer_svc.canary import Canary
 from trainer_svc.config import RewardConfig
 from trainer_svc.data import DataError, Problem, PromptStream
 from trainer_svc.distributed import Distributed
-from trainer_svc.reward_functions import RewardFunctionError, Rewards
-from trainer_svc.reward_process import import_function
-from trainer_svc.rewards import Verifier, format_ok, overlong_penalty
+from trainer_svc.learning.reward_functions import RewardFunctionError, Rewards
+from trainer_svc.learning.reward_process import import_function
+from trainer_svc.learning.rewards import Verifier, format_ok, overlong_penalty
+from trainer_svc.rails.canary import Canary
+from trainer_svc.rollout.sampling import StepSampler, summarize
 from trainer_svc.rollout_types import Group, Sample, Ticket, WeightsRef
-from trainer_svc.sampling import StepSampler, summarize
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -433,8 +433,8 @@ def test_the_default_reward_is_exactly_zero_or_one(rewards_for):
 class ScriptedSampler:
     """Each prompt `q<n>` is answered 4 times: n, n+1, n, and n+1 cut at the cap."""
 
-    def submit(self, prompts, *, weights, step, attempt, seed, n=None, temperature=None, tag="train") -> Ticket:
-        return Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag)
+    def submit(self, call: Ticket) -> Ticket:
+        return call
 
     def collect(self, ticket: Ticket) -> list[Group]:
         groups = []

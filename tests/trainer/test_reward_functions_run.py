@@ -24,7 +24,7 @@ from local_sampler import TorchSampler
 
 from protocol import exit_codes
 from trainer_svc.config import dump
-from trainer_svc.loop import train
+from trainer_svc.run.loop import train
 
 TRAINER = str(Path(sys.executable).parent / "trainer-svc")
 

@@ -19,8 +19,8 @@ from failing_server import FailingSpoolServer, first
 
 from protocol.messages import ErrorCode, Result
 from protocol.spool import Spool
-from trainer_svc.rollout import RolloutFailed, RolloutService, RolloutUnavailable
-from trainer_svc.rollout_types import Ticket, WeightsRef
+from trainer_svc.rollout.client import RolloutService
+from trainer_svc.rollout_types import RolloutFailed, RolloutUnavailable, Ticket, WeightsRef
 
 WEIGHTS = WeightsRef("/models/none", None, 3)  # the echo engine loads nothing
 
@@ -92,12 +92,12 @@ def test_a_call_is_split_over_the_live_workers_and_gathered_in_prompt_order(tmp_
     service = RolloutService(service_config(tmp_path))
     try:
         prompts = [f"{i}+{i}={i}{i}" for i in range(5)]
-        ticket = service.submit(prompts, weights=WEIGHTS, step=7, attempt=0, seed=1)
+        ticket = service.submit(Ticket(tuple(prompts), WEIGHTS, 7, 0, 1))
         assert ticket.parts == (3, 2) and len(set(ticket.request_ids)) == 2  # one request per live worker
         groups = service.collect(ticket)
         assert [[s.text for s in g.samples] for g in groups] == [[p[:4]] * 4 for p in prompts]  # max_tokens 4
         assert {g.weights_step for g in groups} == {3}
-        one = service.submit(["1+1="], weights=WEIGHTS, step=8, attempt=0, seed=1)
+        one = service.submit(Ticket(("1+1=",), WEIGHTS, 8, 0, 1))
         assert one.parts == (1,)  # never more requests than prompts
         assert [g.samples[0].text for g in service.collect(one)] == ["1+1="]
     finally:
@@ -113,7 +113,7 @@ def test_conversations_are_sent_as_messages_and_the_samples_gathered_in_order(tm
         chats = [
             [{"role": "system", "content": "s"}, {"role": "user", "content": f"what is {i}+{i}?"}] for i in range(3)
         ]
-        ticket = service.submit(chats, weights=WEIGHTS, step=1, attempt=0, seed=1)
+        ticket = service.submit(Ticket(tuple(chats), WEIGHTS, 1, 0, 1))
         groups = service.collect(ticket)
         assert [g.samples[0].text for g in groups] == [f"what is {i}+{i}?" for i in range(3)]
         (request_id,) = ticket.request_ids
@@ -122,7 +122,7 @@ def test_conversations_are_sent_as_messages_and_the_samples_gathered_in_order(tm
         request = json.loads(spool.done.joinpath(f"{request_id}.request.json").read_text())
         assert request["messages"] == chats and request["prompts"] == []
         # The same call, made again (a relaunch), names the same request.
-        assert service.submit(chats, weights=WEIGHTS, step=1, attempt=0, seed=1).request_ids == ticket.request_ids
+        assert service.submit(Ticket(tuple(chats), WEIGHTS, 1, 0, 1)).request_ids == ticket.request_ids
     finally:
         service.close()
 
@@ -136,7 +136,7 @@ def test_a_run_directory_named_with_any_characters_gives_valid_request_and_worke
     )
     service = RolloutService(cfg)
     try:
-        ticket = service.submit(["1+1="], weights=WEIGHTS, step=0, attempt=0, seed=1, tag="train set")
+        ticket = service.submit(Ticket(("1+1=",), WEIGHTS, 0, 0, 1, tag="train set"))
         assert [id.split("-s00000000")[0] for id in ticket.request_ids] == ["x_run_1_b__-train_set"]
         assert service.worker_id == "x_run_1_b__-rollout"  # the id a spawned worker would serve under
         assert [g.samples[0].text for g in service.collect(ticket)] == ["1+1="]
@@ -150,7 +150,7 @@ def test_a_relaunch_uses_results_in_the_spool_awaits_pending_ones_and_sends_only
     first = RolloutService(cfg)
 
     def call(step: int) -> Ticket:
-        return first.submit([f"{step}+{i}=" for i in range(4)], weights=WEIGHTS, step=step, attempt=0, seed=step)
+        return first.submit(Ticket(tuple(f"{step}+{i}=" for i in range(4)), WEIGHTS, step, 0, step))
 
     workers.start("echo-a")
     served, consumed = call(1), call(2)
@@ -174,7 +174,7 @@ def test_a_relaunch_uses_results_in_the_spool_awaits_pending_ones_and_sends_only
             second.restore(ticket)
         assert sent == [lost.request_ids[0]]
         # The same call made again (a step redone without a record of it) sends nothing either.
-        again = second.submit([f"1+{i}=" for i in range(4)], weights=WEIGHTS, step=1, attempt=0, seed=1)
+        again = second.submit(Ticket(tuple(f"1+{i}=" for i in range(4)), WEIGHTS, 1, 0, 1))
         assert again == served and sent == [lost.request_ids[0]]
         workers.start("echo-b")
         for ticket in tickets:
@@ -194,7 +194,7 @@ def test_a_call_not_answered_in_time_names_each_request_and_its_state(tmp_path, 
     os.killpg(worker.pid, signal.SIGSTOP)  # alive by its heartbeat for a minute, serving nothing
     service = RolloutService(service_config(tmp_path, fan_out=3, timeout_s=1.0))
     try:
-        ticket = service.submit(["1+1=", "2+2=", "3+3="], weights=WEIGHTS, step=5, attempt=1, seed=0)
+        ticket = service.submit(Ticket(("1+1=", "2+2=", "3+3="), WEIGHTS, 5, 1, 0))
         claimed_id, done_id, queued_id = ticket.request_ids
         spool = service.client.spool
         spool.claim(next(e for e in spool.pending() if e.request_id == claimed_id), "echo-other")
@@ -231,7 +231,7 @@ def test_an_engine_error_is_sent_again_under_a_fresh_id_and_the_call_goes_on(tmp
     service = RolloutService(service_config(tmp_path, fan_out=2))
     try:
         prompts = [f"{i}+{i}={i}{i}" for i in range(4)]
-        ticket = service.submit(prompts, weights=WEIGHTS, step=2, attempt=0, seed=1)
+        ticket = service.submit(Ticket(tuple(prompts), WEIGHTS, 2, 0, 1))
         groups = service.collect(ticket)
     finally:
         service.close()
@@ -246,7 +246,7 @@ def test_transient_errors_are_sent_again_at_most_error_retries_times_and_a_relau
     failing = servers(lambda request: ErrorCode.ENGINE_ERROR)
     first_launch = RolloutService(cfg)
     try:
-        ticket = first_launch.submit(["1+1="], weights=WEIGHTS, step=3, attempt=0, seed=1)
+        ticket = first_launch.submit(Ticket(("1+1=",), WEIGHTS, 3, 0, 1))
         with pytest.raises(RolloutUnavailable) as info:
             first_launch.collect(ticket)
     finally:
@@ -275,7 +275,7 @@ def test_a_relaunch_sends_again_what_an_earlier_launch_got_an_error_for(tmp_path
     failing = servers(first(1, code))
     first_launch = RolloutService(cfg)
     try:
-        ticket = first_launch.submit(["1+1="], weights=WEIGHTS, step=3, attempt=0, seed=1)
+        ticket = first_launch.submit(Ticket(("1+1=",), WEIGHTS, 3, 0, 1))
         deadline = time.monotonic() + 30
         while not failing.failed:  # the earlier launch's request failed; that launch then exited
             assert time.monotonic() < deadline
@@ -288,7 +288,7 @@ def test_a_relaunch_sends_again_what_an_earlier_launch_got_an_error_for(tmp_path
     healthy = servers(lambda request: None, worker_id="healthy")
     relaunch = RolloutService(cfg)
     try:
-        again = relaunch.submit(["1+1="], weights=WEIGHTS, step=3, attempt=0, seed=1)  # the same call, redone
+        again = relaunch.submit(Ticket(("1+1=",), WEIGHTS, 3, 0, 1))  # the same call, redone
         assert again == ticket
         assert [g.samples[0].text for g in relaunch.collect(again)] == ["1+1="]
     finally:
@@ -300,7 +300,7 @@ def test_a_permanent_error_stops_the_call_naming_the_request_the_error_and_what_
     failing = servers(lambda request: ErrorCode.WEIGHTS_NOT_ALLOWED)
     service = RolloutService(service_config(tmp_path))
     try:
-        ticket = service.submit(["1+1="], weights=WEIGHTS, step=4, attempt=0, seed=1)
+        ticket = service.submit(Ticket(("1+1=",), WEIGHTS, 4, 0, 1))
         with pytest.raises(RolloutFailed) as info:
             service.collect(ticket)
     finally:

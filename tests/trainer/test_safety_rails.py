@@ -16,13 +16,13 @@ from local_sampler import TorchSampler
 
 from protocol import exit_codes
 from protocol.weights_dir import weights_content_id
-from trainer_svc import checkpoint as ckpt
-from trainer_svc.band import run_band
 from trainer_svc.data import load_problems
-from trainer_svc.gates import GateRefused
-from trainer_svc.loop import train
-from trainer_svc.rewards import Verifier
+from trainer_svc.learning.rewards import Verifier
+from trainer_svc.rails.band import run_band
+from trainer_svc.rails.gates import GateRefused
 from trainer_svc.rollout_types import Sample
+from trainer_svc.run.loop import train
+from trainer_svc.weights import checkpoint as ckpt
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 

@@ -19,12 +19,12 @@ import copy
 import pytest
 import torch
 
-from trainer_svc.batch import collate
 from trainer_svc.distributed import Distributed
-from trainer_svc.grpo import logprobs_and_entropy
-from trainer_svc.model import compile_layers, load_policy
+from trainer_svc.learning.batch import collate
+from trainer_svc.learning.grpo import logprobs_and_entropy
+from trainer_svc.learning.model import compile_layers, load_policy
+from trainer_svc.learning.train_step import sequence_logprobs
 from trainer_svc.rollout_types import Group, Sample
-from trainer_svc.train_step import sequence_logprobs
 
 TEMPERATURE = 0.8
 UNIT_ROUNDOFF = 2.0**-24  # float32

@@ -29,8 +29,8 @@ from protocol.weight_slots import (  # noqa: E402
     reading,
     word_sum,
 )
-from trainer_svc.slot_publish import SlotRing  # noqa: E402
-from trainer_svc.weights_writer import TensorSpec, TensorStream, as_stream  # noqa: E402
+from trainer_svc.weights.slots import SlotRing  # noqa: E402
+from trainer_svc.weights.writer import TensorSpec, TensorStream, as_stream  # noqa: E402
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:

@@ -15,11 +15,11 @@ from conftest import make_config
 
 from trainer_svc.data import Problem, PromptStream
 from trainer_svc.distributed import Distributed
-from trainer_svc.reward_functions import Rewards
-from trainer_svc.rewards import Verifier
+from trainer_svc.learning.reward_functions import Rewards
+from trainer_svc.learning.rewards import Verifier
+from trainer_svc.rollout.sampling import StepSampler, summarize
+from trainer_svc.rollout.spares import SpareSizer
 from trainer_svc.rollout_types import Group, Sample, Ticket, WeightsRef
-from trainer_svc.sampling import StepSampler, summarize
-from trainer_svc.spares import SpareSizer
 
 WEIGHTS = WeightsRef("unused")
 
@@ -31,8 +31,8 @@ class ScriptedSampler:
         self.live = live
         self.submitted: list[Ticket] = []
 
-    def submit(self, prompts, *, weights, step, attempt, seed, n=None, temperature=None, tag="train") -> Ticket:
-        self.submitted.append(Ticket(tuple(prompts), weights, step, attempt, seed, n, temperature, tag))
+    def submit(self, call: Ticket) -> Ticket:
+        self.submitted.append(call)
         return self.submitted[-1]
 
     def collect(self, ticket: Ticket) -> list[Group]:

@@ -18,9 +18,9 @@ from conftest import make_config
 from local_sampler import TorchSampler
 
 from protocol import exit_codes
-from trainer_svc.loop import train
-from trainer_svc.outputs import Outputs
-from trainer_svc.trackers import Backend, Tracking
+from trainer_svc.run.loop import train
+from trainer_svc.run.outputs import Outputs
+from trainer_svc.run.trackers import Backend, Tracking
 
 TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
 
@@ -193,9 +193,9 @@ def test_missing_and_unreachable_backends_warn_once_and_the_run_is_the_same(tiny
         train={"steps": 3},
         log={"wandb": True, "mlflow": True, "mlflow_tracking_uri": "http://127.0.0.1:9"},
     )
-    with caplog.at_level(logging.WARNING, logger="trainer_svc.trackers"):
+    with caplog.at_level(logging.WARNING, logger="trainer_svc.run.trackers"):
         assert run(tracked) == exit_codes.OK
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.trackers"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.run.trackers"]
     assert len(warnings) == 2, warnings
     assert any("trainer_svc[wandb]" in w and "log.wandb = false" in w for w in warnings)
     assert any("MLflow failed" in w and "log.mlflow = false" in w for w in warnings)
@@ -226,7 +226,7 @@ class Raising(Backend):
 def test_a_backend_that_raises_mid_run_warns_once_is_off_and_metrics_jsonl_has_every_row(tmp_path, caplog):
     backend = Raising()
     out = Outputs.open(tmp_path, 5, 0, tracking=Tracking([backend]))
-    with caplog.at_level(logging.WARNING, logger="trainer_svc.trackers"):
+    with caplog.at_level(logging.WARNING, logger="trainer_svc.run.trackers"):
         for step in range(1, 6):
             out.step({"step": step, "loss": 0.5})
         out.close()
@@ -238,7 +238,7 @@ def test_a_backend_that_raises_mid_run_warns_once_is_off_and_metrics_jsonl_has_e
         4,
         5,
     ]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.trackers"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.run.trackers"]
     assert len(warnings) == 1 and "Raising failed (ConnectionError: the server went away)" in warnings[0]
 
 
@@ -259,12 +259,12 @@ class Blocked(Backend):
 def test_a_backend_that_blocks_never_holds_the_loop_and_its_dropped_rows_are_counted(tmp_path, caplog):
     backend = Blocked()
     out = Outputs.open(tmp_path, 100, 0, tracking=Tracking([backend], queue_size=5, close_timeout_s=0))
-    with caplog.at_level(logging.WARNING, logger="trainer_svc.trackers"):
+    with caplog.at_level(logging.WARNING, logger="trainer_svc.run.trackers"):
         for step in range(1, 101):  # would never return, were a row to wait for the backend
             out.step({"step": step, "loss": 0.5})
         out.close()  # gives up at once (close_timeout_s = 0)
     assert len(metrics(tmp_path)) == 100
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.trackers"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.run.trackers"]
     assert len(warnings) == 3, warnings  # falling behind, the end it did not reach, the count
     assert "Blocked is 5 rows behind" in warnings[0] and "did not finish" in warnings[1]
     dropped = int(warnings[2].split()[1])
@@ -289,7 +289,7 @@ def test_the_readmes_tracking_example_loads(tmp_path):
 def test_wandb_mode_auto_is_offline_without_a_key_or_a_server_and_respects_wandb_mode(monkeypatch, tmp_path):
     import socket
 
-    from trainer_svc.trackers import wandb_mode
+    from trainer_svc.run.trackers import wandb_mode
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

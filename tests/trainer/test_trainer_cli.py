@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from protocol import exit_codes
 from protocol.spool import Spool
 from trainer_svc.cli import app
-from trainer_svc.plot import PANELS
+from trainer_svc.run.plot import PANELS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_svc.tripwire import CollapseTripwire, TripwireConfig
+from trainer_svc.rails.tripwire import CollapseTripwire, TripwireConfig
 
 MAX_TOKENS = 16
 HEALTHY = {"reward_mean": 0.5, "entropy": 1.0, "response_length": 8.0}

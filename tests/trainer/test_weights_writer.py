@@ -33,7 +33,7 @@ from manifest_check import WeightsCorrupt, verify  # noqa: E402
 
 from protocol.weights_dir import MANIFEST, FileEntry  # noqa: E402
 from trainer_svc.distributed import Distributed  # noqa: E402
-from trainer_svc.weights_writer import (  # noqa: E402
+from trainer_svc.weights.writer import (  # noqa: E402
     TensorSpec,
     TensorStream,
     iter_full_tensors,
@@ -115,7 +115,7 @@ def test_chunks_and_cast_give_the_same_bytes(tiny_model, tmp_path, chunk_bytes):
 def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkeypatch):
     """Four threads writing 4 KiB chunks at their offsets, out of order, write the same file
     and the same checksum as one thread."""
-    import trainer_svc.safetensors_stream as stream
+    import trainer_svc.weights.streaming as stream
 
     state = load_model(tiny_model).state_dict()
     one = tmp_path / "one"
@@ -136,7 +136,7 @@ def test_several_writer_threads_give_the_same_bytes(tiny_model, tmp_path, monkey
 def test_spread_shards_one_per_writer_thread_written_side_by_side(tiny_model, tmp_path, monkeypatch):
     """max_shard_bytes=None: one shard per writer thread, filled side by side, each file the
     bytes save_pretrained writes for that split."""
-    import trainer_svc.weights_writer as writer
+    import trainer_svc.weights.writer as writer
 
     model = load_model(tiny_model)
     total = sum(v.numel() * v.element_size() for k, v in model.state_dict().items() if k not in omitted_names(model))
@@ -468,7 +468,7 @@ def _child_fsdp(root: str, tied: str, untied: str) -> int:
     import torch.distributed as dist
 
     from trainer_svc.distributed import init_distributed
-    from trainer_svc.model import shard
+    from trainer_svc.learning.model import shard
 
     dist_info = init_distributed()
     for name, base in (("tied", tied), ("untied", untied)):

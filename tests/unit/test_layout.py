@@ -126,6 +126,48 @@ def test_no_module_imports_one_that_imports_it(package):
     assert import_cycle(graph) is None
 
 
+# The trainer's parts, lowest first. A module imports from its own part, from the parts below it and
+# from the shared modules at the package's top (config, data, distributed, records, rollout_types),
+# never from a part above it; the shared modules import no part, and only the CLI may import any.
+TRAINER_PARTS = ("weights", "learning", "rollout", "rails", "run")
+
+
+def imports_up(graph: dict[str, set[str]], parts: tuple[str, ...]) -> list[str]:
+    """The imports of `graph` that go up the order of `parts` ("importer -> imported")."""
+
+    def level(module: str) -> int:
+        head = module.split(".")[0] if "." in module else None
+        return parts.index(head) if head in parts else -1  # a shared top-level module: below every part
+
+    return sorted(f"{a} -> {b}" for a, found in graph.items() if a != "cli" for b in found if level(b) > level(a))
+
+
+def test_the_trainers_parts_import_only_downwards():
+    graph = module_imports(ROOT / "trainer_svc/src/trainer_svc")
+    assert {m.split(".")[0] for m in graph if "." in m} == set(TRAINER_PARTS)  # every sub-package has its place
+    assert imports_up(graph, TRAINER_PARTS) == []
+
+
+def test_the_readmes_table_of_the_trainers_parts_matches_the_tree():
+    table = (ROOT / "README.md").read_text().split("| part | modules | what it does |\n", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| (shared|`\w+/`) \| ([^|]+) \|", table, flags=re.M)
+    listed = {part.strip("`/"): set(re.findall(r"`(\w+)`", modules)) for part, modules in rows}
+    package = ROOT / "trainer_svc/src/trainer_svc"
+    tree = {
+        part.name: {p.stem for p in part.glob("*.py") if p.stem != "__init__"}
+        for part in package.iterdir()
+        if (part / "__init__.py").exists()
+    }
+    tree["shared"] = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    assert listed == tree
+    assert [part for part, _ in rows[1:]] == [f"`{part}/`" for part in TRAINER_PARTS]  # in the order of the parts
+
+
+def test_an_import_up_the_parts_is_found():
+    graph = {"weights.a": {"run.b", "config"}, "run.b": {"weights.a"}, "config": {"rails.c"}, "cli": {"run.b"}}
+    assert imports_up(graph, TRAINER_PARTS) == ["config -> rails.c", "weights.a -> run.b"]
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)

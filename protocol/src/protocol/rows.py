@@ -1,6 +1,6 @@
 """Prompt rows from JSONL or Parquet files: what the trainer trains on and eval jobs answer.
 
-    rows = read_rows("train.parquet", system_prompt="Answer with a number.")
+    rows = read_rows("train.parquet", RowFormat(system_prompt="Answer with a number."))
     rows[0].prompt   # "What is 2+3?" or [{"role": "system", ...}, {"role": "user", ...}]
     rows[0].gold     # "5" (None where the file has no answer)
     rows[0].fields   # the row's other columns, for reward functions and eval output
@@ -60,7 +60,7 @@ class Row:
 
 @dataclass(frozen=True)
 class RowFormat:
-    """How rows are read; `read_rows`'s keyword arguments, as the trainer's [data] section holds them."""
+    """How rows are read (`read_rows`'s `fmt`), as the trainer's [data] section holds them."""
 
     prompt_field: str = ""  # "": the first of PROMPT_FIELDS the first row has
     answer_field: str = ""  # "": the first of ANSWER_FIELDS the first row has, if any

@@ -12,10 +12,7 @@ Layout (all on one filesystem):
                <name>.<n> when that is taken), and <name>.error.txt: why, for names with no id
     workers/   <worker_id>.json, one status file per worker; its mtime is the heartbeat
 
-Each kind of file name is spelled out once, in the path methods of Spool (`request_path`,
-`claim_path`, `result_path`, `archived_request_path`, `consumed_result_path`, `bad_path`,
-`bad_note_path`, `status_path`, `scratch_path`, in spool_layout.py); the rest of the spool, and
-code outside it, goes through them.
+Each kind of file name is spelled out once, in SpoolLayout's path methods (spool_layout.py).
 
 Guarantees (each has a test in tests/unit/test_spool.py):
 
@@ -27,8 +24,8 @@ Guarantees (each has a test in tests/unit/test_spool.py):
 3. A request file that cannot be accepted gets an error result (when its name is a valid id) and
    is moved to bad/; nothing raises out of the spool for bad input.
 4. A claim whose worker heartbeat has not changed for the worker's lease, as this process saw it
-   (leases.py), is put back in requests/.
-   Workers check that their claim still exists before they publish.
+   (leases.py), is put back in requests/. Workers check that their claim still exists before they
+   publish.
 5. The directory listing is the truth: `pending()` scans, and file events only wake scanners.
 6. Every wait that involves this module is bounded (see client.py).
 
@@ -48,8 +45,7 @@ local habits fail there:
 - Hosts' clocks differ, and some filesystems stamp mtimes with the writer's clock: a lease is
   judged by whether the heartbeat changes as this process sees it, on its own clock (leases.py).
 
-This module is the spool's public entry point: it composes Spool from its parts and re-exports
-the names the rest of the code imports from `protocol.spool`. The parts:
+This module composes Spool from its parts and re-exports their names:
 
     spool_entries.py    file names (request id <-> name, claim names) and directory entries
     spool_layout.py     the directories and the path of each kind of file (SpoolLayout)

@@ -1,19 +1,11 @@
 """Sparse weight deltas: a publish written as the elements that changed since the one before it.
 
-    diff(old, new) -> TensorDelta                    flat indices and new values of the changed elements
-    apply(target, delta)                             in place: target.flat[indices] = values
-    diff_model(old, new, *, base_id, content_id) -> ModelDelta
-    apply_model(weights, delta, *, held_id)          in place, only onto the version the delta is against
-    encode(delta) -> bytes, decode(data) -> ModelDelta   a safetensors file (numpy only)
-    plan(target_id, links, held_id) -> Plan          which full copy and which deltas rebuild target_id
-
 Tensors are numpy arrays of bit patterns: a bfloat16 tensor is its uint16 view (on the trainer,
 `tensor.view(torch.int16).numpy().view(numpy.uint16)`, no copy; numpy has no bfloat16). Any dtype
 works the same way: elements are compared and copied as unsigned integers of their width, never as
 numbers, so NaN payloads, -0.0 and infinities change and apply like any other bits.
 
 Guarantees:
-
 - Bit-exact: apply(old, diff(old, new)) leaves old equal to new bit for bit; so does a chain
   (anchor, then each delta of the chain in order), as long as every delta was taken against the
   exact bits published before it (the trainer diffs what it published, its serving-dtype copy,

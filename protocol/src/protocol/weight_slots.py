@@ -16,23 +16,7 @@ that writes a slot and the worker that reads it.
 A request names a slot as it names a weights directory: `weights_dir` is the slot's directory and
 `weights_content_id` its manifest's content id. `cat slot_0/slot.json` shows what a slot holds.
 
-API:
-
-    SLOT_MANIFEST, SLOT_DATA, READERS, ALIGNMENT, SLOT_PREFIX
-    SlotManifest, SlotTensor                    the manifest's fields (msgspec structs)
-    ring_dir(slots_dir, run_dir) -> Path        <slots_dir>/<run name>-<8 hex>
-    slot_dir_name(index) -> "slot_0"            slot_dirs(ring) -> the ring's slot directories, in order
-    is_slot(directory) -> bool                  a slot's directory (complete or not)
-    read_slot_manifest(directory) -> SlotManifest    FileNotFoundError when the slot holds no complete weights
-    encode_slot_manifest(manifest) -> bytes
-    plan_layout(tensors) -> (offsets, bytes)    where each tensor goes in tensors.bin
-    word_sum(data) -> int                       the checksum's definition, on bytes (numpy; for checks and tests)
-    combine_sums(sums) -> str                   the manifest's checksum from partial sums
-    reading(slot_dir, reader) -> Lease          context manager: a reader's lease
-    LeaseJudge(spool).held(slot_dir) -> list    the leases that still hold a slot (dead ones removed)
-
 Guarantees:
-
 - A slot with a manifest holds complete weights: the writer removes the manifest before it
   touches tensors.bin and renames the new one into place only after every byte is written, so a
   writer SIGKILLed at any point leaves a slot without a manifest (never read) and the other slots
@@ -48,10 +32,9 @@ Guarantees:
 - The content is checked from the manifest, never by reading the tensors back: `checksum` is the
   sum, modulo 2**64, of tensors.bin's first `bytes` bytes read as little-endian 64-bit words (the
   gaps are zero), printed as 16 hex digits. A reader sums its own copy (on the device, where it
-  has one) and compares. The definition is chosen for speed where the bytes lie: torch's int64 sum
-  wraps around (two's complement) on CPU and CUDA at memory speed (6 GB/s on this 2-core CPU,
-  where an int32 sum into int64 runs at 0.4 GB/s), and modulo 2**64 the order of the additions
-  does not matter, so a device's reduction, numpy's unsigned one and a sum of parts agree.
+  has one) and compares. Modulo 2**64 the order of the additions does not matter, so a device's
+  reduction, numpy's unsigned one and a sum of parts agree, and torch's wrapping int64 sum runs at
+  memory speed on CPU and CUDA.
 - Decoding checks each field's type and bounds, that tensors lie inside `bytes`, at aligned
   offsets, without overlap, and that shapes and dtypes give each tensor's `nbytes`; a violation
   is a SlotError naming the manifest and the problem.

@@ -5,16 +5,7 @@
                                  manifest whose `delta_base` is step 10's content id
     publish_dir/step_00000012/   a delta against step 11's content id, and so on to the next anchor
 
-API:
-
-    DELTA_FILE                                       the one weights file of a delta publish
-    is_delta_dir(directory) -> bool                  its manifest names a delta_base
-    versions(publish_dir) -> dict[str, Version]      every readable step directory, by content id
-    links(found) -> dict[str, weight_delta.Link]     what weight_delta.plan reads
-    needed(directories, found) -> set[Path]          the directories a rebuild of each one reads
-
 Guarantees:
-
 - A link is found by content id, never by name or step: a directory written again (a new content
   id) is another version, and a delta names the exact version it applies to (`delta_base`).
 - `needed` is the chain a reader with nothing in hand walks: the directory itself, and for a

@@ -9,23 +9,7 @@ a person) reads. One definition for both sides.
     or, a LoRA adapter of a base model (PEFT's layout; the manifest's `adapter` names the base):
         adapter_model.safetensors, adapter_config.json, manifest.json
 
-API:
-
-    MANIFEST, STEP_PREFIX
-    step_dir_name(step) -> "step_00000012"          step_of(name) -> 12, or None for other names
-    Manifest, FileEntry, Source, Adapter               the manifest's fields (msgspec structs)
-    ADAPTER_WEIGHTS, ADAPTER_CONFIG                    an adapter directory's files (PEFT's names)
-    read_manifest(directory) -> Manifest               or ManifestError naming the file and the field
-    decode_manifest(data, where) -> Manifest           the same, on bytes already read
-    encode_manifest(manifest, *, canonical=False) -> bytes
-    weights_content_id(directory, shards=None) -> str  what a worker reports and a request may demand
-    declared_content_id(directory) -> str | None       the manifest's alone
-    step_content_id(run_name, step) -> str             a new id, unique per write
-    files_content_id(files) -> str                     an id that is the files' SHA-256s (imports)
-    safetensors_shards(directory) -> list[str]
-
 Guarantees:
-
 - The content id of a directory is the manifest's `content_id` when the manifest decodes as a
   `Manifest`; otherwise (no manifest, or one this contract does not read) a hash of config.json
   and each shard's name, size, inode and mtime, `stat-` and 16 hex digits: it changes whenever a

@@ -1,11 +1,5 @@
 """Delta publishes, rebuilt into weights an engine loads like any directory.
 
-    loader = DeltaLoader(policy)
-    weights = loader.inspect(weights_dir)    a full directory: policy.inspect's; a delta publish, or
-                                             a full step directory beside delta publishes (an
-                                             anchor): the loader's copy (Weights.path is weights_dir)
-    loader.close()                           its files removed
-
 A delta publish (protocol.weights_chain) holds one encoded delta against an earlier version. The
 loader keeps a copy of the weights it last rebuilt (host memory, the bit patterns of the serving
 dtype), plans the rebuild of the version named (protocol.weight_delta.plan: from that copy when
@@ -16,7 +10,6 @@ named version's content id. The engine then loads that directory through its ord
 reload, so everything a reload checks (the engine's tensors against the files) holds.
 
 Guarantees:
-
 - Bit-exact: the rebuilt tensors equal those of the full publish of the same step bit for bit
   (the trainer diffs what it published; weight_delta checks each delta applies to the version
   held). The rebuilt directory's content id is the named directory's, so a request's

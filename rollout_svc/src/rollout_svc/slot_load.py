@@ -1,10 +1,6 @@
 """Loading a weight slot (protocol.weight_slots) into the engine: the worker's side of the same-host
 fast path.
 
-    weights = policy.inspect(slot_dir)                             # a Weights with .slot, its manifest
-    with slot_lease(weights.real_path, weights.content_id, reader):  # the worker, around the engine's load
-        engine process: load_slot(...)            # vllm_extension: copy to the device, check, load
-
 In the engine's own process (vllm_extension.WeightProbe.load_slot) the slot's tensors.bin is mapped:
 on a GPU kept mapped between loads and registered with cudaHostRegister once, so each later copy
 runs at the bus's speed, then copied to the device in one copy; on a CPU mapped copy-on-write for

@@ -47,7 +47,7 @@ def _load(config: Path, smoke: bool):
 
 def check_before_work(cfg, *, need_model: bool = True) -> None:
     """Cheap checks that would otherwise fail after minutes of model loading."""
-    from .preflight import PreflightError, check_model_dir, check_publish_dir, check_run_dir, check_spool
+    from .rails.preflight import PreflightError, check_model_dir, check_publish_dir, check_run_dir, check_spool
 
     try:
         if need_model:
@@ -75,7 +75,7 @@ def train(
             f"smoke run: run directory {cfg.run_dir}, published weights {cfg.publish_dir}, spool {cfg.spool_dir}"
             f"{shared}; the run's own files are not touched"
         )
-    from .reward_functions import RewardFunctionError, find_user_functions
+    from .learning.reward_functions import RewardFunctionError, find_user_functions
 
     try:
         find_user_functions(cfg.reward)  # a missing module stops the launch at once
@@ -83,9 +83,9 @@ def train(
         raise _fail(exit_codes.USAGE, str(exc)) from None
     check_before_work(cfg)
     from .data import DataError
-    from .gates import GateRefused, check_config
-    from .loop import train as run_training
-    from .rollout import RolloutFailed, RolloutUnavailable
+    from .rails.gates import GateRefused, check_config
+    from .rollout_types import RolloutFailed, RolloutUnavailable
+    from .run.loop import train as run_training
 
     try:
         check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the cheapest gate, before torch loads
@@ -99,7 +99,7 @@ def train(
     except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except OSError as exc:
-        from .checkpoint import CheckpointWriteFailed
+        from .weights.checkpoint import CheckpointWriteFailed
 
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and not isinstance(exc, CheckpointWriteFailed):
             raise
@@ -121,13 +121,13 @@ def train(
             f"results: {cfg.run_dir / 'stage_result.json'}, "
             f"{cfg.run_dir / 'metrics.jsonl'}; plot: `trainer-svc plot {cfg.run_dir}`{tensorboard}"
         )
-    from .run import exit_process
+    from .run.setup import exit_process
 
     exit_process(code)
 
 
 def _full_disk_message(exc: OSError, cfg) -> str:
-    from .checkpoint import latest
+    from .weights.checkpoint import latest
 
     where = f" ({exc.filename})" if exc.filename else ""
     newest = latest(cfg.run_dir)
@@ -145,14 +145,14 @@ def sft(config: ConfigArg) -> None:
     cfg = _load(config, False)
     if cfg.sft is None:
         raise _fail(exit_codes.USAGE, f"{config} has no [sft] section (base = the model to start from)")
-    from .preflight import PreflightError, check_model_dir
+    from .rails.preflight import PreflightError, check_model_dir
 
     try:
         check_model_dir(Path(cfg.sft.base))
     except PreflightError as exc:
         raise _fail(exc.exit_code, str(exc)) from None
     from .data import DataError
-    from .sft import run_sft
+    from .learning.sft import run_sft
 
     try:
         report = run_sft(cfg)
@@ -169,9 +169,9 @@ def band(config: ConfigArg) -> None:
     _setup_logging()
     cfg = _load(config, False)
     check_before_work(cfg)
-    from .band import run_band
     from .data import DataError
-    from .rollout import RolloutFailed, RolloutUnavailable
+    from .rails.band import run_band
+    from .rollout_types import RolloutFailed, RolloutUnavailable
 
     try:
         report = run_band(cfg)
@@ -199,7 +199,7 @@ def plot(
     every: Annotated[float, typer.Option(min=0.01, help="With --follow: seconds between looks at the run.")] = 10.0,
 ) -> None:
     """Draw reward, loss, entropy, response length and logprob mismatch against step."""
-    from .plot import plot as draw
+    from .run.plot import plot as draw
 
     if follow:
         _follow(run_dir, out, every)
@@ -212,7 +212,7 @@ def plot(
 
 
 def _follow(run_dir: Path, out: Path | None, every: float) -> None:
-    from .plot import follow
+    from .run.plot import follow
 
     if not run_dir.is_dir():
         raise _fail(exit_codes.USAGE, f"{run_dir} is not a directory: give the run's run.dir")
@@ -242,8 +242,8 @@ def merge_adapter(
 ) -> None:
     """Merge a LoRA adapter into its base model and write the result as a full HF directory (export;
     a rollout worker or model.path loads it as ordinary weights)."""
-    from .merge_adapter import MergeRefused
-    from .merge_adapter import merge_adapter as merge
+    from .weights.merge_adapter import MergeRefused
+    from .weights.merge_adapter import merge_adapter as merge
 
     try:
         written = merge(adapter_dir, out_dir, base)
@@ -266,9 +266,9 @@ def import_gguf(
 ) -> None:
     """Import a GGUF model as an HF directory (dequantized safetensors, config, tokenizer with its chat
     template, generation config), deterministically, for model.path and the rollout workers."""
-    from .gguf_import import ImportFailed, ImportMismatch
-    from .gguf_import import import_gguf as run_import
-    from .gguf_import import write_pin as pin
+    from .weights.gguf_import import ImportFailed, ImportMismatch
+    from .weights.gguf_import import import_gguf as run_import
+    from .weights.gguf_import import write_pin as pin
 
     try:
         done = run_import(gguf_file, out_dir, dtype=dtype, expect=expect)

@@ -15,8 +15,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .tripwire import TripwireConfig
-
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -104,7 +102,7 @@ class RolloutConfig(Struct):
     spare_prompts: NonNegative = 0
     # 0: spare_prompts spares on every step. Above 0: as many spares as the dead rate measured over
     # the last steps asks for (so that a retry is needed on about 1 step in 20), between
-    # spare_prompts and this (trainer_svc.spares).
+    # spare_prompts and this (trainer_svc.rollout.spares).
     spare_prompts_max: NonNegative = 0
     timeout_s: PositiveFloat = 600.0  # longest wait for one sampling call's results
     # A request that fails for a reason of the moment (engine_error: the engine crashed, ran out
@@ -154,7 +152,7 @@ class LossConfig(Struct):
     kl_coef: NonNegativeFloat = 0.0  # k3 KL to the starting model; 0 keeps no reference model
     dead_group_retries: NonNegative = 1  # resamples of all-equal-reward groups per step
     # Correction for the engine sampling with other numerics or older weights than the trainer's
-    # old policy (trainer_svc.corrections): none; tis (weight min(ratio, correction_cap)); icepop
+    # old policy (trainer_svc.learning.corrections): none; tis (weight min(ratio, correction_cap)); icepop
     # (weight ratio inside [correction_low, correction_high], tokens outside dropped); token_mask
     # (tokens outside the band dropped, weight 1 inside); sequence_mask (sequences whose
     # geometric-mean ratio is outside the band dropped). ratio = p_old / q_engine. The band's
@@ -177,7 +175,7 @@ class LossConfig(Struct):
             )
 
 
-BUILTIN_REWARDS = ("correct", "format", "overlong")  # trainer_svc.reward_functions.BUILTINS
+BUILTIN_REWARDS = ("correct", "format", "overlong")  # trainer_svc.learning.reward_functions.BUILTINS
 # A user's reward function: "package.module:function", importable from PYTHONPATH.
 USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 # The keys [reward] had before reward functions, and what replaced them.
@@ -185,7 +183,7 @@ RETIRED_REWARD_KEYS = {"correct": "correct", "format_weight": "format", "overlon
 
 
 class RewardConfig(Struct):
-    """How a sample is scored (trainer_svc.reward_functions): the weighted sum of reward functions,
+    """How a sample is scored (trainer_svc.learning.reward_functions): the weighted sum of reward functions,
     each called on a sampling call's completions. The default is the verifier's 0/1 correctness,
     plus the format and overlong penalties, which only ever subtract."""
 
@@ -239,12 +237,12 @@ class PublishConfig(Struct):
     dir: str = ""  # where they go; default <run.dir>/weights. A tmpfs or local NVMe root is fastest
     keep_last: Positive = 3  # newest kept; older ones too while a pending or claimed request names them
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # serving dtype; auto: bfloat16 on GPU, else the model's
-    # Sparse deltas (trainer_svc.delta_publish): a publish holds only the elements that changed since
+    # Sparse deltas (trainer_svc.weights.deltas): a publish holds only the elements that changed since
     # the previous one when that is under half the bytes. auto: on over a network filesystem.
     delta: Literal["auto", "on", "off"] = "auto"
     delta_anchor_every: Positive = 8  # a full publish at least every this many, so a chain stays short
     # The same-host fast path: a ring of shared-memory slots the worker copies straight into its
-    # engine (slot_publish.py). auto: on where the worker is spawned on this host and slots_dir has room.
+    # engine (weights/slots.py). auto: on where the worker is spawned on this host and slots_dir has room.
     slots: Literal["auto", "on", "off"] = "auto"
     slots_dir: str = "/dev/shm"  # a tmpfs the trainer and its workers share; the ring is <slots_dir>/<run>-<hash>
     slots_count: Annotated[int, msgspec.Meta(ge=2)] = 2  # slots in the ring, each the weights' size in memory
@@ -294,9 +292,23 @@ class SftConfig(Struct):
     eval_problems: Positive = 128
 
 
+class TripwireConfig(Struct):
+    """The collapse tripwire's signals (rails.tripwire)."""
+
+    armed: bool = True  # false: judge and report (would_fire) but never stop the run
+    window: Annotated[int, msgspec.Meta(ge=2)] = 20  # steps averaged per judgement; one step is noise
+    min_entropy: NonNegativeFloat = 0.02  # nats per token; fires below it. 0 switches this signal off
+    # in reward units; fires when the window mean is more than this below the best window mean.
+    # Must be > 0: at 0 any dip of a noisy reward below its best would stop the run.
+    max_reward_drop: PositiveFloat = 0.3
+    min_response_length: NonNegativeFloat = 0.5  # tokens; fires below it. 0 switches this signal off
+    # of rollout.max_tokens; fires when the mean length reaches it. Must be > 0: at 0 every run fires.
+    max_length_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.98
+
+
 class LogConfig(Struct):
     """Where each step's metrics row, the banner and the resolved config go beside metrics.jsonl,
-    which stays the record and is written first (trainer_svc.trackers). A backend that fails is
+    which stays the record and is written first (trainer_svc.run.trackers). A backend that fails is
     turned off with one warning; the run goes on."""
 
     tensorboard: bool = True  # event files under <run.dir>/tensorboard (extra trainer_svc[tensorboard])

@@ -1,12 +1,6 @@
 """Training problems: the synthetic arithmetic demo task, prompt files (JSONL or Parquet, rows of
 text or conversations: protocol.rows), a held-out split, and a resumable prompt stream.
 
-    problems = arithmetic_problems(0, 20, "+")        # 441 problems, "3+17=" -> "20"
-    train, held_out = split(problems, held_out=41, seed=0)
-    stream = PromptStream(train, seed=0)
-    batch = stream.take(16)
-    state = stream.state_dict()                        # JSON-serialisable; store with a checkpoint
-
 A problem's `gold` is normalised as protocol.answers.normalise_number does (commas and a
 trailing ".0" removed), so it compares directly with protocol.answers.extract_answer's output.
 """

@@ -7,10 +7,14 @@ torchrun describes, in which rank 0 decides what every rank then agrees on (`fro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,6 +34,31 @@ class Distributed:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def on_rank0(
+    dist_info: Distributed | None, work: Callable[[], T], what: str, *, agree: bool = True, drain: Iterable = ()
+) -> T | None:
+    """`work()` on rank 0, its result there (None elsewhere). With `agree` every rank calls this and
+    learns whether rank 0 failed, so that none waits on for a rank 0 that gave up: rank 0 raises
+    its own error, the others one saying it could not `what`. `drain`: what the other ranks must
+    still consume first (the gathers of a collective stream that rank 0 did not reach)."""
+    main = dist_info is None or dist_info.is_main
+    result, error = None, None
+    if main:
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            error = exc
+    if agree and dist_info is not None:
+        for _ in drain:
+            pass
+        outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+        if not main and outcome is not None:
+            raise RuntimeError(f"rank 0 could not {what}: {outcome}")
+    if error is not None:
+        raise error
+    return result
 
 
 def init_distributed() -> Distributed:

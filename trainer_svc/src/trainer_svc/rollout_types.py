@@ -1,6 +1,6 @@
 """What a sampling call asks and what comes back: plain data shared by the rollout client, the
-samplers, the batch builder and the gates, with no process or spool machinery attached.
-`Ticket` is what a checkpoint keeps of a call in flight (`state_dict`, `from_state`)."""
+samplers, the batch builder and the gates, with no process or spool machinery attached; and the
+two ways a call fails. `Ticket` is what a checkpoint keeps of a call in flight."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Group:
 
 @dataclass(frozen=True)
 class Ticket:
-    """One sampling call, sent and not yet collected: what it asks, of which weights, and the
+    """One sampling call: what it asks, of which weights, and, once a sampler has sent it, the
     spool requests that carry it (empty for samplers that do not use the spool). Plain data, so
     a checkpoint can keep the calls in flight (`state_dict`, `from_state`)."""
 
@@ -62,3 +62,12 @@ class Ticket:
     def from_state(cls, state: dict) -> Ticket:
         fields = {**state, "weights": WeightsRef(**state["weights"])}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+class RolloutUnavailable(RuntimeError):
+    """No worker can serve the trainer's requests; the message says why and what to do."""
+
+
+class RolloutFailed(RuntimeError):
+    """A worker refused a request for good (a permanent error): it fails again, sent again
+    unchanged, until what the message names changes."""

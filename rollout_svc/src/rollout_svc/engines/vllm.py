@@ -46,7 +46,7 @@ from ..errors import RequestFailed
 from ..slot_load import SlotChanged, slot_lease
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
-from .host import EngineHost, HostDied, HostError, descendants
+from .host import EngineHost, HostDied, HostError
 from .vllm_host import EngineSpec, describe
 
 log = logging.getLogger(__name__)
@@ -375,10 +375,6 @@ class VllmEngine:
     def probe(self, method: str, *args):
         """Run a WeightProbe method (vllm_extension) next to the engine's tensors; for checks."""
         return self.host.call("probe", method, args)
-
-    def process_ids(self) -> set[int]:
-        """The engine's process and every process it started (empty without an engine)."""
-        return {self.host.pid, *descendants(self.host.pid)} if self.host is not None else set()
 
     def close(self) -> None:
         """End the engine's processes; returns once they are gone, and their device memory with them."""

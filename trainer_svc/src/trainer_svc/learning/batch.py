@@ -1,0 +1,97 @@
+"""From rollout groups to padded tensors, and the split of one step into ranks and micro-batches.
+
+Sequence i is prompt_i + completion_i, right-padded. `completion_mask[i, t]` marks the
+positions whose *token* was generated; the logits predicting token t sit at position t - 1,
+so `targets` are the inputs shifted left by one and masks are shifted the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..rollout_types import Group
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [N, L] prompt + completion, right-padded
+    attention_mask: torch.Tensor  # [N, L] 1 on real tokens
+    targets: torch.Tensor  # [N, L - 1] input_ids shifted left: the token each position predicts
+    mask: torch.Tensor  # [N, L - 1] 1 where the predicted token was generated (loss positions)
+    rollout_logprobs: torch.Tensor  # [N, L - 1] the engine's sampling logprobs at those positions
+    advantages: torch.Tensor  # [N] one per sequence
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def by_length(self) -> Batch:
+        """The same sequences, shortest first: micro-batches cut from it then hold sequences of
+        similar lengths, and trimmed() drops more padding. (A step's loss is a sum over its
+        sequences, so their order changes nothing but the rounding of sums.)"""
+        order = torch.argsort(self.attention_mask.sum(dim=1), stable=True)
+        return self.select(order)
+
+    def trimmed(self) -> Batch:
+        """The same sequences without the padding columns no sequence of this batch reaches
+        (a step's batch is padded to its longest sequence; a micro-batch's may be shorter).
+        Right padding and causal attention: the real tokens' logits do not change."""
+        width = max(int(self.attention_mask.sum(dim=1).max()), 2)
+        if width >= self.input_ids.shape[1]:
+            return self
+        return Batch(
+            self.input_ids[:, :width],
+            self.attention_mask[:, :width],
+            self.targets[:, : width - 1],
+            self.mask[:, : width - 1],
+            self.rollout_logprobs[:, : width - 1],
+            self.advantages,
+        )
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int) -> Batch:
+    """`advantages`: [P, G], aligned with groups[p].samples[g]."""
+    rows, gen_lengths, prompt_lengths, rollout_lps, seq_adv = [], [], [], [], []
+    for p, group in enumerate(groups):
+        for g, sample in enumerate(group.samples):
+            rows.append(group.prompt_ids + sample.token_ids)
+            prompt_lengths.append(len(group.prompt_ids))
+            gen_lengths.append(len(sample.token_ids))
+            rollout_lps.append(sample.logprobs)
+            seq_adv.append(float(advantages[p, g]))
+    n, width = len(rows), max(len(r) for r in rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width - 1), dtype=torch.float32)
+    rollout = torch.zeros((n, width - 1), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        start, end = prompt_lengths[i] - 1, prompt_lengths[i] - 1 + gen_lengths[i]
+        mask[i, start:end] = 1.0
+        if rollout_lps[i]:
+            rollout[i, start:end] = torch.tensor(rollout_lps[i], dtype=torch.float32)
+    return Batch(
+        input_ids, attention, input_ids[:, 1:].clone(), mask, rollout, torch.tensor(seq_adv, dtype=torch.float32)
+    )
+
+
+def rank_share(batch: Batch, rank: int, world_size: int) -> Batch:
+    """This rank's contiguous share of the step's sequences (the count divides evenly: a gate
+    checks prompts_per_step x G against world_size x grad_accum at launch)."""
+    if len(batch) % world_size:
+        raise ValueError(f"{len(batch)} sequences cannot be shared evenly by {world_size} ranks")
+    per_rank = len(batch) // world_size
+    return batch.select(slice(rank * per_rank, (rank + 1) * per_rank))
+
+
+def micro_batches(batch: Batch, count: int) -> list[Batch]:
+    size = -(-len(batch) // count)
+    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]

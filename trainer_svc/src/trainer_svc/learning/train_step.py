@@ -1,0 +1,269 @@
+"""One training step of GRPO: the step's sequences, in `train.updates_per_batch` updates, over
+this rank's share of each.
+
+    per update (a part of the step's sequences; one part by default):
+        per micro-batch: logprobs, correction of the engine/trainer gap (trainer_svc.learning.corrections),
+        clipped surrogate with the update's fixed token weights (+ k3 KL) -> backward, accumulate
+        -> clip the gradient norm -> optimizer step
+    -> scheduler step (the learning rate moves once per training step)
+
+The old policy's logprobs are those of the model before the step's first update: with one
+update they are each micro-batch's own logprobs, detached (the model does not change before
+every micro-batch has been through it); with several, a no-grad pass computes them first.
+The token weights are computed from the whole update (all ranks, all micro-batches), so its
+gradient is the same however it is split (see grpo.token_weights and grpo.rank_scale).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..distributed import Distributed
+from ..rollout_types import Group
+from . import corrections, grpo
+from .batch import Batch, collate, micro_batches, rank_share
+from .model import compile_enabled
+
+# What a step that generated no tokens reports: there is no loss to take.
+_NOTHING_LEARNED = {
+    "loss": 0.0,
+    "entropy": 0.0,
+    "kl": 0.0,
+    "clip_fraction_low": 0.0,
+    "clip_fraction_high": 0.0,
+    "grad_norm": 0.0,
+    "mismatch_mean": 0.0,
+    "mismatch_max": 0.0,
+    "ratio_mean": 0.0,
+    "ratio_max": 0.0,
+    "corrected_fraction": 0.0,
+    "kl_engine": 0.0,
+}
+
+
+@dataclass
+class Policy:
+    """What training updates, and what it is measured against."""
+
+    model: torch.nn.Module
+    reference: torch.nn.Module | None  # the frozen starting model, for the KL term; None without it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pad_id: int
+
+
+@dataclass
+class StepTotals:
+    """The sizes of a whole update (all ranks), which fix its loss denominators."""
+
+    tokens: int
+    sequences: int
+
+
+def sequence_logprobs(
+    model, batch: Batch, temperature: float, compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`; 0 at the
+    positions no sequence of the batch generated.
+
+    Logits are computed only at the columns where some sequence has a generated token
+    (`logits_to_keep`): prompts and trailing padding never reach the output projection, nor the
+    float32 softmax over the vocabulary that follows it. The entropy is a statistic, computed
+    without a graph (grpo.logprobs_and_entropy)."""
+    columns = batch.mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions whose target is generated
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=columns).logits
+    math = _compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
+    logp, entropy = math(logits, batch.targets[:, columns], temperature)  # [N, K]
+    zeros = torch.zeros(batch.targets.shape, dtype=logp.dtype, device=logp.device)
+    return zeros.index_copy(1, columns, logp), zeros.index_copy(1, columns, entropy)
+
+
+@functools.cache
+def _compiled_logprob_math():
+    # One fused kernel per pass over [N, K, V] instead of one per elementwise op; K varies.
+    return torch.compile(grpo.logprobs_and_entropy, dynamic=True)
+
+
+@torch.no_grad()
+def old_logprobs(model, micro: list[Batch], cfg: Config, compiled: bool = False) -> list[torch.Tensor]:
+    return [sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)[0] for mb in micro]
+
+
+def learn(policy: Policy, groups: list[Group], advantages: torch.Tensor, cfg: Config, dist_info: Distributed) -> dict:
+    """The step's updates on its sampled groups and their advantages ([P, G]; every rank takes its
+    share of each); returns the step's statistics, over all ranks, the same on every rank."""
+    batch = collate(groups, advantages, policy.pad_id)
+    if int(batch.mask.sum()) == 0:  # nothing was generated: no loss to take, the tripwire judges the step
+        policy.scheduler.step()
+        return {**_NOTHING_LEARNED, "lr": policy.scheduler.get_last_lr()[0]}
+    updates = []
+    for part in micro_batches(batch, cfg.train.updates_per_batch):  # whole prompts' groups stay together
+        totals = StepTotals(tokens=int(part.mask.sum()), sequences=len(part))
+        updates.append((rank_share(part, dist_info.rank, dist_info.world_size).to(dist_info.device), totals))
+    return train_step(policy.model, policy.reference, policy.optimizer, policy.scheduler, updates, cfg, dist_info)
+
+
+def train_step(
+    model, reference, optimizer, scheduler, updates: list[tuple[Batch, StepTotals]], cfg: Config, dist_info
+) -> dict:
+    """The step's updates, each on this rank's share of a part of the step with that part's
+    totals; returns the step's statistics (sums over updates, micro-batches and ranks)."""
+    model.train()
+    parts = [[mb.trimmed() for mb in micro_batches(share.by_length(), cfg.train.grad_accum)] for share, _ in updates]
+    compiled = compile_enabled(cfg.model.compile, dist_info.device)
+    old = [old_logprobs(model, micro, cfg, compiled) for micro in parts] if len(parts) > 1 else None
+    ref = [old_logprobs(reference, micro, cfg, compiled) for micro in parts] if reference is not None else None
+    tally = _Tally()
+    for u, ((_, totals), micro) in enumerate(zip(updates, parts, strict=True)):
+        for i, mb in enumerate(micro):
+            old_mb = None if old is None else old[u][i]
+            loss = _micro_batch_loss(
+                model, mb, totals, old_mb, None if ref is None else ref[u][i], cfg, compiled, tally
+            )
+            (loss * grpo.rank_scale(dist_info.world_size)).backward()
+        tally.grad_norm += float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    if dist_info.world_size > 1:  # every rank reports the whole step, so every rank judges it alike
+        tally.add_over_ranks(dist_info.device)
+    return tally.report(len(updates), scheduler.get_last_lr()[0])
+
+
+def _micro_batch_loss(
+    model, mb: Batch, totals: StepTotals, old: torch.Tensor | None, ref: torch.Tensor | None, cfg: Config,
+    compiled: bool, tally: _Tally,
+) -> torch.Tensor:  # fmt: skip
+    """The micro-batch's share of the update's loss (clipped surrogate with the update's token
+    weights and the engine-gap correction, + k3 KL); its statistics go into `tally`. `old`: the
+    old policy's logprobs, None where they are this pass's own (one update per step)."""
+    loss_cfg = cfg.loss
+    weights = grpo.token_weights(
+        mb.mask,
+        loss_cfg.denominator,
+        step_tokens=totals.tokens,
+        step_sequences=totals.sequences,
+        max_tokens=cfg.rollout.max_tokens,
+    )
+    logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)
+    old = logp.detach() if old is None else old
+    log_r = corrections.log_ratio(old, mb.rollout_logprobs, mb.mask)
+    c, changed = corrections.correction_weights(
+        log_r,
+        mb.mask,
+        loss_cfg.correction,
+        cap=loss_cfg.correction_cap,
+        low=loss_cfg.correction_low,
+        high=loss_cfg.correction_high,
+    )
+    loss, stats = grpo.clipped_policy_loss(logp, old, mb.advantages, weights * c, loss_cfg.clip_low, loss_cfg.clip_high)
+    if ref is not None:
+        kl = grpo.kl_penalty(logp, ref, weights, 1.0)
+        loss = loss + loss_cfg.kl_coef * kl
+        tally.sums["kl"] += float(kl)
+    tally.add(mb, loss, weights, entropy, stats, old, corrections.correction_stats(log_r, mb.mask, changed))
+    return loss
+
+
+class _Tally:
+    """A step's statistics as sums (and maxima) over its micro-batches, then its ranks."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(
+            ("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch"), 0.0
+        )
+        self.sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum"), 0.0)
+        self.peaks = {"mismatch_max": 0.0, "ratio_max": 0.0}
+        self.grad_norm = 0.0  # the same on every rank (clipping reduces over ranks): summed over updates only
+
+    def add(self, mb: Batch, loss, weights, entropy, stats: dict, old: torch.Tensor, gap: dict) -> None:
+        sums, peaks = self.sums, self.peaks
+        tokens = float(mb.mask.sum())
+        mismatch = (old - mb.rollout_logprobs).abs() * mb.mask
+        sums["loss"] += float(loss.detach())
+        sums["entropy"] += float((weights * entropy).sum())
+        sums["weight"] += float(weights.sum())
+        sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
+        sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
+        sums["tokens"] += tokens
+        sums["mismatch"] += float(mismatch.sum())
+        for key in ("ratio_sum", "changed_sum", "k3_sum"):
+            sums[key] += gap[key]
+        peaks["mismatch_max"] = max(peaks["mismatch_max"], float(mismatch.max()) if tokens else 0.0)
+        peaks["ratio_max"] = max(peaks["ratio_max"], gap["ratio_max"])
+
+    def add_over_ranks(self, device: torch.device) -> None:
+        self.sums, self.peaks = _over_ranks(self.sums, self.peaks, device)
+
+    def report(self, updates: int, lr: float) -> dict:
+        sums, peaks = self.sums, self.peaks
+        tokens = max(sums["tokens"], 1.0)
+        return {
+            "loss": sums["loss"] / updates,
+            # weighted sums over this rank's tokens, reported as weighted means per token
+            "entropy": _weighted_mean(sums["entropy"], sums["weight"]),
+            "kl": _weighted_mean(sums["kl"], sums["weight"]),
+            "clip_fraction_low": sums["clip_low"] / tokens,
+            "clip_fraction_high": sums["clip_high"] / tokens,
+            "grad_norm": self.grad_norm / updates,
+            "lr": lr,
+            "mismatch_mean": sums["mismatch"] / tokens,
+            "mismatch_max": peaks["mismatch_max"],
+            # the engine/trainer gap (trainer_svc.learning.corrections): ratio = p_old / q_engine per token
+            "ratio_mean": sums["ratio_sum"] / tokens,
+            "ratio_max": peaks["ratio_max"],
+            "corrected_fraction": sums["changed_sum"] / tokens,
+            "kl_engine": sums["k3_sum"] / tokens,
+        }
+
+
+def _over_ranks(sums: dict[str, float], peaks: dict[str, float], device: torch.device):
+    """Sums added and maxima taken over all ranks."""
+    totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    top = torch.tensor(list(peaks.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(zip(sums, totals.tolist(), strict=True)), dict(zip(peaks, top.tolist(), strict=True))
+
+
+def _weighted_mean(weighted_sum: float, total_weight: float) -> float:
+    return weighted_sum / total_weight if total_weight > 0 else 0.0
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2) materialised; a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def make_optimizer(model, cfg: Config) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA adapter's alone
+    return torch.optim.AdamW(
+        trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+    )
+
+
+def make_scheduler(optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `warmup_steps`, then constant, linear or cosine decay to zero at
+    `steps`. Its horizon is exactly cfg.train.steps (a launch gate checks it)."""
+    import math
+
+    t = cfg.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        if t.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if t.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler.total_steps = t.steps  # the horizon the factor was built for (a launch gate checks it)
+    return scheduler

@@ -1,0 +1,1 @@
+"""Safety rails: the launch gates and preflight checks, banding, the canary, the collapse tripwire."""

@@ -1,0 +1,72 @@
+"""The canary: every `canary.every` steps, greedy answers to held-out problems through the
+spool, from the newest weights, rendered as training renders them. Its accuracy (canary.jsonl,
+stage_result.json) shows whether the policy improves on problems it never trained on, not only
+on its training prompts.
+
+The canary of step 0 answers from the starting model; a later one only from trained weights (a
+canary due before the first trained weights exist is skipped, not run on the starting model).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..config import Config
+from ..data import DataError, Problem
+from ..learning.rewards import Verifier
+from ..records import StepLog
+from ..rollout.sampling import Sampler
+from ..rollout_types import Ticket, WeightsRef
+
+CANARY_FILE = "canary.jsonl"
+
+
+class Canary:
+    def __init__(
+        self, cfg: Config, held_out: list[Problem], verifier: Verifier, sampler: Sampler | None, resumed_step: int = 0
+    ):
+        """`sampler` None: a canary that never runs (ranks other than 0)."""
+        self.every = cfg.canary.every if sampler is not None else 0
+        self.problems = held_out[: cfg.canary.problems]  # with gold answers: `check` saw to it at launch
+        self.verifier = verifier
+        self.sampler = sampler
+        # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.
+        self.log = StepLog(Path(cfg.run_dir) / CANARY_FILE, resumed_step) if sampler is not None else None
+        self.history: list[dict] = self.log.rows if self.log is not None else []
+
+    @staticmethod
+    def check(cfg: Config, held_out: list[Problem]) -> None:
+        """An armed canary grades against gold answers: DataError, at launch, where its problems lack one."""
+        unknown = [p.id for p in held_out[: cfg.canary.problems] if p.gold is None] if cfg.canary.every else []
+        if unknown:
+            raise DataError(
+                f"the canary (canary.every = {cfg.canary.every}) grades greedy answers to held-out rows against "
+                f"their gold answers, and rows {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} have "
+                "none: set canary.every = 0, or give the rows an answer field"
+            )
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and not any(h["step"] == step for h in self.history)
+
+    def maybe_run(self, step: int, weights: WeightsRef) -> dict:
+        """The canary's metrics ({"canary_accuracy": ...}) when it is due at `step`, else {}."""
+        if not self.due(step) or (step > 0 and weights.step is None):
+            return {}
+        return {"canary_accuracy": self.run(step, weights)["accuracy"]}
+
+    def run(self, step: int, weights: WeightsRef) -> dict:
+        call = Ticket(tuple(p.prompt for p in self.problems), weights, step, 0, 0, n=1, temperature=0.0, tag="canary")
+        groups = self.sampler.collect(self.sampler.submit(call))
+        correct = [
+            self.verifier.is_correct(g.samples[0].text, p.gold) for p, g in zip(self.problems, groups, strict=True)
+        ]
+        record = {
+            "step": step,
+            "accuracy": sum(correct) / len(correct),
+            "n": len(correct),
+            "weights_dir": weights.dir,
+            "time": time.time(),
+        }
+        self.log.write(record)  # and into self.history, which is its rows
+        return record
