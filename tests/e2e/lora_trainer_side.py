@@ -23,8 +23,8 @@ from protocol.weights_dir import ADAPTER_WEIGHTS, read_manifest, weights_content
 from trainer_svc.config import LoraConfig
 from trainer_svc.distributed import Distributed
 from trainer_svc.learning.grpo import logprobs_and_entropy
-from trainer_svc.learning.lora import load_adapter_tensors
 from trainer_svc.learning.model import load_policy
+from trainer_svc.weights.adapters import load_adapter_tensors
 
 ONE = Distributed(0, 1, torch.device("cpu"))
 

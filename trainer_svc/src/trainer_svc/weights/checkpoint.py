@@ -56,7 +56,7 @@ from protocol.weights_dir import (
 )
 
 from ..distributed import Distributed
-from ..learning.lora import adapter_of, adapter_tensors, is_adapter, load_adapter_tensors, save_adapter_files
+from .adapters import adapter_of, adapter_tensors, is_adapter, load_adapter_tensors, save_adapter_files
 from .atomic_dir import building, remove_stale_partials
 
 log = logging.getLogger(__name__)
