@@ -94,7 +94,8 @@ def test_resuming_a_lora_checkpoint_with_another_rank_is_refused(warm_model, tmp
     first = lora_config(tmp_path / "run", warm_model, train={"steps": 1})
     assert run(first, []) == exit_codes.OK
     other = lora_config(tmp_path / "run", warm_model, train={"steps": 2}, lora={"rank": 8})
-    with pytest.raises(RuntimeError, match="does not hold this model's adapter"):
+    shapes = r"does not hold this model.s adapter.*down_proj.lora_A.weight \[4, 384\] \(the model.s: \[8, 384\]\)"
+    with pytest.raises(RuntimeError, match=shapes):
         run(other, [])
 
 

@@ -101,13 +101,21 @@ def adapter_tensors(model, dist_info: Distributed) -> dict[str, torch.Tensor] | 
 
 def load_adapter_tensors(model, tensors: dict[str, torch.Tensor], dist_info: Distributed, where: Path) -> None:
     """Put `tensors` (PEFT's saved names, whole; every rank holds them) into the model's adapter.
-    Refuses tensors that are not exactly the adapter's, naming `where` they came from."""
-    wanted = {saved_name(name): name for name in adapter_names(model)}
+    Refuses tensors that are not exactly the adapter's (names and shapes), naming `where` they
+    came from."""
+    state = model.state_dict(keep_vars=True)
+    wanted = {saved_name(name): name for name in adapter_names(model, state)}
     missing, unexpected = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))
-    if missing or unexpected:
+    resized = sorted(
+        f"{name} {list(tensors[name].shape)} (the model's: {list(state[wanted[name]].shape)})"
+        for name in set(wanted) & set(tensors)
+        if tuple(tensors[name].shape) != tuple(state[wanted[name]].shape)
+    )
+    if missing or unexpected or resized:
         raise RuntimeError(
-            f"{where} does not hold this model's adapter: missing {missing[:4]}, unexpected {unexpected[:4]} "
-            "(another [lora] rank or target_modules than the run it came from?); resume with that run's [lora]"
+            f"{where} does not hold this model's adapter: missing {missing[:4]}, unexpected {unexpected[:4]}, "
+            f"other shapes {resized[:2]} (another [lora] rank or target_modules than the run it came from?); "
+            "resume with that run's [lora]"
         )
     state = {wanted[name]: tensor for name, tensor in tensors.items()}
     if dist_info.world_size == 1:
