@@ -337,7 +337,7 @@ UNSERVED_LORA_MODULES = ("lm_head", "embed_tokens")
 
 
 class LoraConfig(Struct):
-    """LoRA (trainer_svc.lora): train a PEFT adapter on the frozen base model; a publish is the
+    """LoRA (learning/lora.py): train a PEFT adapter on the frozen base model; a publish is the
     adapter alone, which workers serve on the base they hold (rollout-svc serve --max-lora-rank)."""
 
     rank: NonNegative = 0  # LoRA rank r; 0: off (the whole model trains)
