@@ -110,6 +110,21 @@ def test_the_workers_logprobs_with_an_adapter_are_the_trainers(worker, models, c
     assert status["engine_build_s"] == worker.ready.engine_build_s  # the engine of its start: never rebuilt
 
 
+def test_adapters_past_the_engines_limit_are_evicted_and_loaded_again_when_named(worker, models, client_for):
+    # --max-cpu-loras 2: a third adapter evicts the least recent; named again, it is loaded again
+    # and answers as it did.
+    adapters = [publish_adapter(models["a"], models["root"] / "lora-evict", step=s, seed=20 + s) for s in (1, 2, 3)]
+    client = client_for(worker.spool.root)
+    assert ask(client, models["a"]).ok
+    first = [ask(client, path, weights_content_id=content_id) for path, content_id in adapters]
+    assert all(r.ok and r.timings.reload_bytes > 0 for r in first), [r.error for r in first]
+    again = ask(client, adapters[0][0], weights_content_id=adapters[0][1])
+    assert again.ok and again.timings.reload_bytes == first[0].timings.reload_bytes  # read again, whole
+    assert (again.token_ids, again.logprobs) == (first[0].token_ids, first[0].logprobs)
+    newest = ask(client, adapters[2][0], weights_content_id=adapters[2][1])
+    assert newest.ok and newest.timings.reload_bytes == 0  # still held
+
+
 def test_an_adapter_the_worker_cannot_serve_is_refused_and_it_serves_on(worker, models, client_for):
     client = client_for(worker.spool.root)
     assert ask(client, models["a"]).ok
