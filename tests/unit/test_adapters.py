@@ -125,3 +125,23 @@ def test_the_engine_is_sized_for_the_next_rank_vllm_has_and_bad_limits_are_refus
         spec(max_lora_rank=1000)
     with pytest.raises(ValueError, match="need 1 <= max-loras <= max-cpu-loras"):
         spec(max_lora_rank=8, max_loras=4, max_cpu_loras=2)
+
+
+def test_the_copies_of_a_worker_that_died_go_with_the_next_workers_first_copy(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / "tmp" / f"rollout-adapters-{dead.stdout.strip()}-abc"
+    left.mkdir()
+    alive = tmp_path / "tmp" / f"rollout-adapters-{os.getppid()}-def"  # a live process's: kept
+    alive.mkdir()
+    adapters = Adapters(WeightsPolicy(), max_rank=8, keep=2)
+    path = write_adapter(tmp_path / "adapter", "c1")
+    ref = adapters.prepare(str(path), read_manifest(path), None)
+    assert not left.exists() and alive.exists()
+    assert Path(ref.path).is_relative_to(tmp_path / "tmp")
+    adapters.close()

@@ -19,7 +19,8 @@ Guarantees:
   after the check cannot reach the engine half old, half new, or vanish before vLLM reads it
   (vLLM reads an adapter's files when it first serves it, and again after evicting it).
 - One vLLM id per content id, so vLLM's cache never serves another version under an old id;
-  copies beyond the newest `keep` are removed (an evicted adapter asked for again is copied again).
+  copies beyond the newest `keep` are removed (an evicted adapter asked for again is copied again),
+  all of them at close, and those of a worker that died (SIGKILL) by the next worker's first copy.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.leases import process_exists
 from protocol.messages import ErrorCode
 from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest, ManifestError, read_manifest
 
@@ -39,6 +41,7 @@ from .errors import RequestFailed
 from .weights import WeightsPolicy, check_safetensors_header
 
 COPY_TRIES = 3  # copies of a directory replaced under each of them, before its request fails
+_ROOT_PREFIX = "rollout-adapters-"  # + pid + "-" + random: the copies of one worker process
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,19 @@ class AdapterRef:
     lora_id: int  # vLLM's cache key: one per content id
     content_id: str
     path: str  # the worker's verified copy (rollout_svc.adapters)
+
+
+def _own_root() -> str:
+    """A directory of this process in the temporary directory, for its copies. Those of earlier
+    processes of this user that are gone (a worker SIGKILLed cannot remove its own) go first."""
+    for entry in Path(tempfile.gettempdir()).glob(f"{_ROOT_PREFIX}*-*"):
+        pid = entry.name.removeprefix(_ROOT_PREFIX).split("-", 1)[0]
+        try:
+            if pid.isdigit() and entry.lstat().st_uid == os.getuid() and not process_exists(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue  # gone meanwhile
+    return tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-")
 
 
 def adapter_manifest(weights_dir: str) -> Manifest | None:
@@ -121,7 +137,7 @@ class Adapters:
         """The adapter's two files copied into a directory of the worker's own, checked against the
         manifest's sizes and the safetensors header."""
         if self.root is None:
-            self.root = tempfile.mkdtemp(prefix=f"rollout-adapters-{os.getpid()}-")
+            self.root = _own_root()
         copy = tempfile.mkdtemp(dir=self.root)
         listed = manifest.files or {}
         for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
