@@ -27,6 +27,15 @@ from rollout_svc.errors import RequestFailed
 from rollout_svc.weights import WeightsPolicy
 
 
+@pytest.fixture(autouse=True)
+def own_tmp(tmp_path, monkeypatch):
+    """The workers' copies go into the test's own temporary directory (tempfile.gettempdir)."""
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+
+
 def write_adapter(path: Path, content_id: str, rank: int = 4, base: str = "stat-base") -> Path:
     """An adapter directory as the trainer publishes it: PEFT's two files, the manifest last."""
     path.mkdir(parents=True)
@@ -127,13 +136,10 @@ def test_the_engine_is_sized_for_the_next_rank_vllm_has_and_bad_limits_are_refus
         spec(max_lora_rank=8, max_loras=4, max_cpu_loras=2)
 
 
-def test_the_copies_of_a_worker_that_died_go_with_the_next_workers_first_copy(tmp_path, monkeypatch):
+def test_the_copies_of_a_worker_that_died_go_with_the_next_workers_first_copy(tmp_path):
     import subprocess
     import sys
-    import tempfile
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = tmp_path / "tmp" / f"rollout-adapters-{dead.stdout.strip()}-abc"
     left.mkdir()
