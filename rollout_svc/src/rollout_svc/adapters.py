@@ -37,7 +37,7 @@ from protocol.leases import process_exists
 from protocol.messages import ErrorCode
 from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest, ManifestError, read_manifest
 
-from .errors import RequestFailed
+from .errors import RequestFailed, require_content_id
 from .weights import WeightsPolicy, check_safetensors_header
 
 COPY_TRIES = 3  # copies of a directory replaced under each of them, before its request fails
@@ -101,13 +101,7 @@ class Adapters:
                 f"--max-lora-rank {self.max_rank}; restart the worker with --max-lora-rank {adapter.rank} (or more), "
                 "or train a smaller rank",
             )
-        if expected_content_id is not None and manifest.content_id != expected_content_id:
-            raise RequestFailed(
-                ErrorCode.WEIGHTS_INVALID,
-                f"weights_dir {weights_dir} has content id {manifest.content_id}, the request's weights_content_id "
-                f"is {expected_content_id}: the directory was replaced since the request was written; "
-                "resubmit with the new weights_content_id or without one",
-            )
+        require_content_id(weights_dir, manifest.content_id, expected_content_id)
         found = self.held.get(manifest.content_id)
         if found is not None:
             self.held.move_to_end(manifest.content_id)

@@ -41,6 +41,18 @@ class RequestFailed(Exception):
         self.message = message
 
 
+def require_content_id(weights_dir: str, content_id: str, expected: str | None) -> None:
+    """A request that names the content id it expects is refused when the directory now holds other
+    weights (republished under the same name since the request was written)."""
+    if expected is not None and content_id != expected:
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID,
+            f"weights_dir {weights_dir} has content id {content_id}, the request's weights_content_id "
+            f"is {expected}: the directory was replaced since the request was written; "
+            "resubmit with the new weights_content_id or without one",
+        )
+
+
 def is_full_disk(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in FULL_DISK
 

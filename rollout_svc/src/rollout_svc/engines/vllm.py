@@ -42,7 +42,7 @@ from protocol.weights_dir import ADAPTER_WEIGHTS, weights_content_id
 
 from ..adapters import AdapterRef, Adapters, adapter_manifest
 from ..delta_load import DeltaLoader
-from ..errors import RequestFailed
+from ..errors import RequestFailed, require_content_id
 from ..slot_load import SlotChanged, slot_lease
 from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
 from .base import Completion, StateListener, ignore_state
@@ -228,13 +228,7 @@ class VllmEngine:
 
     def _load_once(self, weights_dir: str, expected_content_id: str | None) -> Load:
         weights = self.deltas.inspect(weights_dir)  # a delta publish: the weights rebuilt from its chain
-        if expected_content_id is not None and weights.content_id != expected_content_id:
-            raise RequestFailed(
-                ErrorCode.WEIGHTS_INVALID,
-                f"weights_dir {weights_dir} has content id {weights.content_id}, the request's weights_content_id "
-                f"is {expected_content_id}: the directory was replaced since the request was written; "
-                "resubmit with the new weights_content_id or without one",
-            )
+        require_content_id(weights_dir, weights.content_id, expected_content_id)
         live = self.weights if self.host is not None and self.host.alive() else None  # a dead engine holds nothing
         unchanged = live is not None and (weights.real_path, weights.content_id) == (live.real_path, live.content_id)
         if unchanged and not self.asleep:
