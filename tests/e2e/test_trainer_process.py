@@ -264,7 +264,7 @@ def test_a_run_publishing_sparse_deltas_samples_exactly_as_one_publishing_full_w
     rows = straight_rows(setting, "deltas-bf16", **merge(bf16, {"publish": {"delta": "on", "delta_anchor_every": 4}}))
     trainer_log = (setting["base"] / "deltas-bf16.log").read_text()
     assert "sparse deltas, a full anchor every 4 publishes (publish.delta = on)" in trainer_log  # the banner
-    published = [line for line in trainer_log.splitlines() if "delta_publish: published step" in line]
+    published = [line for line in trainer_log.splitlines() if "weights.deltas: published step" in line]
     assert sum(" delta (against " in line for line in published) >= STEPS // 2, published
     worker_log = setting["worker_log"].read_text()
     prefix = f"delta_load: rebuilt {setting['base'] / 'deltas-bf16' / 'weights'}/step_"
