@@ -33,11 +33,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.leases import process_exists
 from protocol.messages import ErrorCode
 from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest, ManifestError, read_manifest
 
 from .errors import RequestFailed, require_content_id
+from .scratch import own_dir
 from .weights import WeightsPolicy, check_safetensors_header
 
 COPY_TRIES = 3  # copies of a directory replaced under each of them, before its request fails
@@ -54,16 +54,8 @@ class AdapterRef:
 
 
 def _own_root() -> str:
-    """A directory of this process in the temporary directory, for its copies. Those of earlier
-    processes of this user that are gone (a worker SIGKILLed cannot remove its own) go first."""
-    for entry in Path(tempfile.gettempdir()).glob(f"{_ROOT_PREFIX}*-*"):
-        pid = entry.name.removeprefix(_ROOT_PREFIX).split("-", 1)[0]
-        try:
-            if pid.isdigit() and entry.lstat().st_uid == os.getuid() and not process_exists(int(pid)):
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            continue  # gone meanwhile
-    return tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-")
+    """A directory of this process in the temporary directory, for its copies."""
+    return str(own_dir(Path(tempfile.gettempdir()), _ROOT_PREFIX))
 
 
 def adapter_manifest(weights_dir: str) -> Manifest | None:

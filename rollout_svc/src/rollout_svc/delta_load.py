@@ -42,7 +42,6 @@ from pathlib import Path
 import numpy as np
 
 from protocol import weight_delta, weights_chain
-from protocol.leases import process_exists
 from protocol.messages import ErrorCode
 from protocol.weights_dir import (
     COPIED_FILES,
@@ -55,13 +54,14 @@ from protocol.weights_dir import (
 )
 
 from .errors import RequestFailed
+from .scratch import own_dir
 from .weights import Weights, WeightsPolicy
 
 log = logging.getLogger(__name__)
 
 REBUILT_FILE = "model.safetensors"
 READ_TRIES = 3
-_CACHE_PREFIX = "rollout-deltas-"  # + pid + "-" + random + "-": a cache directory of the loader's own
+_CACHE_PREFIX = "rollout-deltas-"  # + pid + "-" + random: a cache directory of the loader's own
 _WIDTHS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
@@ -243,7 +243,7 @@ class DeltaLoader:
                 self.cache_dir, needed, tempfile.gettempdir(),
             )  # fmt: skip
             shutil.rmtree(self.cache_dir, ignore_errors=True)
-            self._cache_dir = Path(tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{os.getpid()}-", suffix="-"))
+            self._cache_dir = own_dir(Path(tempfile.gettempdir()), _CACHE_PREFIX)
             weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
         dest = self.cache_dir / _safe_name(self.held.content_id)
         staging = self.cache_dir / f".{dest.name}.{os.getpid()}.partial"
@@ -279,18 +279,9 @@ class _Moved(Exception):
 
 
 def _default_cache() -> Path:
-    """A directory of this process in /dev/shm (memory, like the engine's reload source), else
-    in the temporary directory. Those of earlier processes of this user that are gone (a worker
-    SIGKILLed cannot remove its own) are removed first: rebuilt weights are a model's size."""
-    root = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
-    for entry in root.glob(f"{_CACHE_PREFIX}*-"):
-        pid = entry.name.removeprefix(_CACHE_PREFIX).split("-", 1)[0]
-        try:
-            if pid.isdigit() and entry.lstat().st_uid == os.getuid() and not process_exists(int(pid)):
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            continue  # gone meanwhile
-    return Path(tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{os.getpid()}-", suffix="-", dir=root))
+    """A directory of this process in /dev/shm (memory, like the engine's reload source), else in
+    the temporary directory."""
+    return own_dir(Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()), _CACHE_PREFIX)
 
 
 def _safe_name(content_id: str) -> str:
