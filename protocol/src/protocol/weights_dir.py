@@ -47,19 +47,18 @@ import msgspec
 
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step_"
-# Config and tokenizer files a serving engine reads beside the weights, copied byte for byte so a
-# rollout worker recognises the same architecture and tokenizer and reloads in place.
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
+# The tokenizer's files: what a worker reads to load (or recognise) the tokenizer.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
-    "chat_template.jinja",
 )
+# Config and tokenizer files a serving engine reads beside the weights, copied byte for byte so a
+# rollout worker recognises the same architecture and tokenizer and reloads in place.
+COPIED_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "chat_template.jinja")
 
 # A LoRA adapter's files, as PEFT's save_pretrained names them (and vLLM's LoRA loader reads them).
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

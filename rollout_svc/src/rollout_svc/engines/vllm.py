@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from protocol.messages import ErrorCode, Request
 from protocol.weight_slots import SlotError, read_slot_manifest
-from protocol.weights_dir import ADAPTER_WEIGHTS, weights_content_id
+from protocol.weights_dir import ADAPTER_WEIGHTS, TOKENIZER_FILES, weights_content_id
 
 from ..adapters import AdapterRef, Adapters, adapter_manifest
 from ..delta_load import DeltaLoader
@@ -55,14 +55,6 @@ HOST_MODULE = "rollout_svc.engines.vllm_host"
 SLEEP_LEVELS = (1, 2)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts (0.32)
 LOAD_TRIES = 3  # loads of a directory that keeps being replaced under them, before its request fails
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 class Load(NamedTuple):
@@ -411,7 +403,7 @@ def _tokenizer_id(weights: Weights, known: tuple[str | None, int] = (None, 0)) -
 
     digest = hashlib.sha256()
     found = False
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         path = os.path.join(weights.real_path, name)
         if os.path.exists(path):
             found = True
@@ -420,7 +412,7 @@ def _tokenizer_id(weights: Weights, known: tuple[str | None, int] = (None, 0)) -
     if not found:
         raise RequestFailed(
             ErrorCode.WEIGHTS_INVALID,
-            f"weights_dir {weights.path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+            f"weights_dir {weights.path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
             "save the tokenizer next to the weights",
         )
     if digest.hexdigest() == known[0]:
