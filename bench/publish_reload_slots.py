@@ -7,7 +7,10 @@ each step doing both, in turn.
                                                                 [--steps 8] [--shm /dev/shm] [--json OUT]
 
 Shapes: `tiny` (build/tiny-model's, 0.46M parameters), `mid` (the same Llama at hidden 768, 12
-layers: 85M parameters, 340 MB in float32), `0.5b` and `1.5b` (Qwen2.5's, GPU only). The policy
+layers: 85M parameters, 340 MB in float32), `0.5b` and `1.5b` (Qwen2.5's, GPU only), or NAME=DIR:
+a real model's directory (one model.safetensors), e.g. `smollm2=build/smollm2-135m-instruct`.
+`--eager` builds the engine without CUDA graphs or torch.compile: it starts sooner, and neither
+touches a weight load. The policy
 is the model's tensors, on the device, nudged in place each step (float32 on CPU, bfloat16 on a
 GPU, the dtypes the trainer publishes). Each step: publish a directory into --shm and have the
 engine load it (inspect, reload in place, verify), then publish a slot into a ring in --shm and
@@ -47,6 +50,8 @@ def say(message: str) -> None:
 
 
 def base_model(root: Path, shape: str, device: str) -> Path:
+    if "=" in shape:  # a real model, used as it is: its tensors are the policy's start
+        return Path(shape.partition("=")[2]).resolve()
     if shape in SHAPES:
         from rollout_svc.tiny_model import build
 
@@ -64,7 +69,7 @@ def base_model(root: Path, shape: str, device: str) -> Path:
     return base
 
 
-def measure(shape: str, device: str, steps: int, shm: Path) -> dict:
+def measure(shape: str, device: str, steps: int, shm: Path, eager: bool | None) -> dict:
     import torch
     from safetensors.torch import load_file
 
@@ -81,11 +86,12 @@ def measure(shape: str, device: str, steps: int, shm: Path) -> dict:
         tensors = {k: v.to(device=device, dtype=dtype) for k, v in load_file(base / "model.safetensors").items()}
         gigabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
         engine = VllmEngine(
-            policy=WeightsPolicy([str(work)]),
+            policy=WeightsPolicy([str(work), str(base.parent)]),
             device=device,
             dtype="bfloat16" if device.startswith("cuda") else "float32",
             max_model_len=256,
             gpu_memory_utilization=0.4,
+            enforce_eager=eager,
         )
         ring = SlotRing(work / "ring", 2, spool_dir=None, wait_s=10)
         say(f"{shape}: {gigabytes:.3f} GB; building the engine")
@@ -139,6 +145,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="tiny,mid")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--shm", default="/dev/shm", help="the tmpfs both paths publish into")
+    parser.add_argument("--eager", action="store_true", help="build the engine eager (GPU: it starts sooner)")
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
@@ -148,7 +155,11 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(1)  # the trainer's own setting on CPU (run.cpu_threads): the engine has the cores
-    figures = {shape: measure(shape, device, args.steps, Path(args.shm)) for shape in args.shapes.split(",")}
+    eager = True if args.eager else None  # None: the engine's default for the device
+    figures = {
+        shape.partition("=")[0]: measure(shape, device, args.steps, Path(args.shm), eager)
+        for shape in args.shapes.split(",")
+    }
     print("| shape | GB | directory: publish + load s | slot: publish + load s |")
     print("| --- | --- | --- | --- |")
     for shape, f in figures.items():

@@ -2,10 +2,12 @@
 delta costs to encode and to apply.
 
     .venvs/rollout/bin/python bench/weight_deltas.py [--steps 40] [--dtype float32|bfloat16]
-        [--delta off|on] [--model runs/demo/sft-model] [--json OUT]
+        [--delta off|on] [--config configs/demo.toml] [--model runs/demo/sft-model] [--json OUT]
 
 Runs `trainer-svc train` with the demo's config (configs/demo.toml: the tiny model, GRPO on CPU,
-a spawned vLLM worker) for `--steps` steps, publishing every step and keeping every publish,
+a spawned vLLM worker), or `--config`'s (configs/smollm2-gpu.toml: the real model on a GPU, its
+model the config's unless `--model` names one), for `--steps` steps, publishing whole directories
+(no slots), publishing every step and keeping every publish,
 then reads the published steps back in order and, for each step after the first, reports: the
 fraction of elements whose bits changed since the step before, the encoded delta's bytes against
 the full weights', the seconds to diff and encode it, and to decode and apply it to the previous
@@ -51,9 +53,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--delta", choices=("off", "on"), default="off")
-    parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "sft-model")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
+    parser.add_argument("--model", type=Path, help="default: the demo's warm-up output, or the config's model")
     parser.add_argument("--json")
     args = parser.parse_args()
+    args.settings = tomllib.loads(args.config.read_text())
+    if args.model is None:
+        demo = args.config.resolve() == (ROOT / "configs" / "demo.toml").resolve()
+        args.model = ROOT / "runs" / "demo" / "sft-model" if demo else ROOT / args.settings["model"]["path"]
     if not (args.model / "config.json").is_file():
         sys.exit(f"{args.model} is missing: run `make demo` (or `trainer-svc sft configs/demo.toml`) first")
     work = Path(tempfile.mkdtemp(prefix="weight-deltas-"))
@@ -74,8 +81,10 @@ def main() -> None:
 
 
 def train(work: Path, args) -> float:
-    demo = tomllib.loads((ROOT / "configs" / "demo.toml").read_text())
+    demo = dict(args.settings)
     demo.pop("sft", None)
+    if demo.get("data", {}).get("path"):  # relative to the checkout, as the config's comment says
+        demo["data"] = demo["data"] | {"path": str(ROOT / demo["data"]["path"])}
     config = write_run_config(
         work / "run.toml",
         merge(
@@ -91,6 +100,7 @@ def train(work: Path, args) -> float:
                     "dtype": args.dtype,
                     "delta": args.delta,
                     "delta_anchor_every": 1000,
+                    "slots": "off",  # every step a directory, to diff
                 },
                 "checkpoint": {"every": 10**6},
                 "canary": {"every": 0},

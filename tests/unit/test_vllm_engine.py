@@ -459,3 +459,41 @@ def test_vllm_detokenizes_per_token_only_for_stop_strings(make_request):
     assert (plain.detokenize, plain.flat_logprobs, plain.logprobs) == (False, True, 0)
     assert stopping.detokenize is True and stopping.stop == ["\n"]
     assert sampling_params(make_request(logprobs=False), 0).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("device", "compile_", "eager", "expected"),
+    [
+        ("cuda:0", True, False, {}),
+        ("cuda:0", False, False, {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}),
+        ("cuda:0", False, True, {}),  # eager: no graphs to keep
+        ("cpu", False, True, {}),
+    ],
+)
+def test_compile_off_keeps_whole_step_cuda_graphs_for_decoding(device, compile_, eager, expected):
+    from rollout_svc.engines.vllm import VllmEngine
+    from rollout_svc.engines.vllm_host import compile_options
+    from rollout_svc.weights import WeightsPolicy
+
+    engine = VllmEngine(policy=WeightsPolicy([]), device=device, enforce_eager=eager, compile=compile_)
+    assert compile_options(engine.spec) == expected
+
+
+def test_the_worker_takes_no_compile_from_its_command_line(tmp_path, monkeypatch):
+    """`rollout-svc serve --no-compile` reaches the vLLM engine's settings; without it, compile."""
+    from typer.testing import CliRunner
+
+    from rollout_svc import cli, engines
+
+    seen = []
+
+    def record(name, **options):
+        seen.append(options)
+        raise ValueError("recorded")  # the command stops here, as for settings an engine refuses
+
+    monkeypatch.setattr(engines, "make_engine", record)
+    for flags in (["--no-compile"], []):
+        CliRunner().invoke(
+            cli.app, ["serve", "--spool", str(tmp_path / "spool"), "--allowed-root", str(tmp_path), *flags]
+        )
+    assert [options["compile"] for options in seen] == [False, True]

@@ -86,6 +86,7 @@ class VllmEngine:
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool | None = None,
+        compile: bool = True,
         sleep_level: int | None = None,
         seed: int = 0,
         reader_id: str | None = None,
@@ -93,8 +94,9 @@ class VllmEngine:
         max_loras: int = 1,
         max_cpu_loras: int = 4,
     ):
-        """`enforce_eager` None: eager on CPU, CUDA graphs on GPU. `sleep_level` None builds the
-        engine without vLLM's sleep mode; 1 (weights kept in host memory) or 2 (weights
+        """`enforce_eager` None: eager on CPU, CUDA graphs on GPU. `compile` False on a GPU: no
+        torch.compile, the decode steps as whole-step CUDA graphs (vllm_host.compile_options).
+        `sleep_level` None builds the engine without vLLM's sleep mode; 1 (weights kept in host memory) or 2 (weights
         discarded, reloaded from disk at wake) is the level `sleep()` uses. `max_lora_rank` above
         0 serves LoRA adapters up to that rank on the loaded weights (rollout_svc.adapters), at most
         `max_loras` in one engine call, `max_cpu_loras` kept in the engine's cache."""
@@ -132,6 +134,7 @@ class VllmEngine:
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=(device == "cpu") if enforce_eager is None else enforce_eager,
+            compile=compile,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_gib=kv_cache_gib,
             sleep_mode=sleep_level is not None,

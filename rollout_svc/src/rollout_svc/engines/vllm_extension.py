@@ -38,6 +38,7 @@ class WeightProbe:
         return {
             "enforce_eager": bool(self.vllm_config.model_config.enforce_eager),
             "cudagraph_mode": str(self.vllm_config.compilation_config.cudagraph_mode),
+            "compilation_mode": str(self.vllm_config.compilation_config.mode),
             "cuda_graphs": captured,
             "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         }

@@ -68,6 +68,8 @@ class EngineSpec:
     lora_rank: int = 0
     max_loras: int = 1
     max_cpu_loras: int = 4
+    # vLLM's torch.compile of the model (GPU): off, decode steps still run as whole-step CUDA graphs
+    compile: bool = True
 
 
 class StaleWeights(RuntimeError):
@@ -118,6 +120,7 @@ class LiveEngine:
             load_format="dummy" if weights.slot is not None else "safetensors",  # never unpickle a checkpoint
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
+            **compile_options(spec),
             **lora_options(spec),
         )
         self.post_process = needs_post_processing(spec.device, self.llm.llm_engine.model_config.quantization)
@@ -322,6 +325,17 @@ def lora_request(adapter: AdapterRef):
     return LoRARequest(adapter.content_id, adapter.lora_id, adapter.path)
 
 
+def compile_options(spec: EngineSpec) -> dict:
+    """vLLM's compilation settings for `spec`: its defaults (torch.compile, piecewise and whole-step
+    CUDA graphs), or with compile off on a GPU no torch.compile and the decode steps captured as
+    whole-step CUDA graphs, which need no compiled graph to split (vLLM 0.25-0.32). Compiling costs
+    a first launch 20-25 s on one H200 and pays where the model's own kernels, not launching them,
+    bound a step: large models. Eager engines and the CPU have nothing to turn off."""
+    if spec.compile or spec.enforce_eager or spec.device == "cpu":
+        return {}
+    return {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
 def lora_options(spec: EngineSpec) -> dict:
     """vLLM's LoRA settings for an engine built with `spec` (none without LoRA)."""
     if not spec.lora_rank:
@@ -395,7 +409,8 @@ def describe(facts: dict) -> str:
     mode = facts.get("cudagraph_mode", "NONE").rpartition(".")[2]
     if facts.get("enforce_eager") or mode == "NONE":
         return "eager"
-    return f"CUDA graphs {mode}, {facts.get('cuda_graphs', 0)} captured"
+    compiled = facts.get("compilation_mode", "").rpartition(".")[2] in ("", "VLLM_COMPILE", "3")
+    return f"CUDA graphs {mode}, {facts.get('cuda_graphs', 0)} captured" + ("" if compiled else ", no torch.compile")
 
 
 def _torch_dtype(dtype):
