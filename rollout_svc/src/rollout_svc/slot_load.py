@@ -26,6 +26,7 @@ import os
 import warnings
 from collections.abc import Iterator
 
+from protocol import pinned_memory
 from protocol.weight_slots import (
     SLOT_DATA,
     SlotError,
@@ -36,8 +37,6 @@ from protocol.weight_slots import (
 )
 
 log = logging.getLogger(__name__)
-
-CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the mapping is read-only
 
 
 class SlotChanged(RuntimeError):
@@ -63,7 +62,12 @@ def slot_lease(real: str, content_id: str, reader: str) -> Iterator[None]:
 
 
 class MappedSlot:
-    """A slot's tensors.bin mapped shared into this process, as a uint8 tensor (`view`)."""
+    """A slot's tensors.bin mapped shared into this process, as a uint8 tensor (`view`). Pinned
+    (`pin`, on a GPU) at most once, and unregistered before it is unmapped (close, or when dropped
+    unclosed): a registration outliving its memory would stay in CUDA's books, and a later mapping
+    at those addresses could not be registered, its copies going to the old pages. A registration
+    that fails leaves the copies unpinned (a warning says so) and CUDA's error cleared, so no later
+    CUDA call reports it."""
 
     def __init__(self, directory: str, pin: bool, private: bool = False):
         """`private`: copy-on-write (MAP_PRIVATE), so a loader that writes into a tensor it was
@@ -72,7 +76,6 @@ class MappedSlot:
 
         path = os.path.join(directory, SLOT_DATA)
         self.pinned = False
-        writable = False
         fd = os.open(path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
@@ -87,11 +90,11 @@ class MappedSlot:
             warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is read-only: it is, by design
             self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
         if pin and torch.cuda.is_available():
-            self.pinned = self._register(CUDA_HOST_REGISTER_READ_ONLY)
-            if not self.pinned and os.access(path, os.W_OK):
-                # Where read-only registration is not supported, a writable mapping can be registered;
-                # it is only ever read here.
-                writable = True
+            read_only = self._register(pinned_memory.READ_ONLY)
+            writable = None
+            if read_only != 0 and os.access(path, os.W_OK):
+                # Where read-only registration is not supported (most hosts without ATS), a writable
+                # mapping can be registered; it is only ever read here.
                 del self.view
                 self.mm.close()
                 fd = os.open(path, os.O_RDWR)
@@ -100,19 +103,24 @@ class MappedSlot:
                 finally:
                     os.close(fd)
                 self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
-                self.pinned = self._register(0)
+                writable = self._register(0)
+            self.pinned = read_only == 0 or writable == 0
             if not self.pinned:
                 log.warning(
-                    "%s could not be pinned (cudaHostRegister failed%s): its copies to the GPU run unpinned, "
-                    "slower; raise the memlock limit (ulimit -l, systemd LimitMEMLOCK)",
+                    "%s could not be pinned (cudaHostRegister failed: read-only, %s; writable, %s): its copies to "
+                    "the GPU run unpinned, slower (the error is cleared); the memlock limit (ulimit -l, systemd "
+                    "LimitMEMLOCK) may be too low",
                     path,
-                    "" if writable else ", and the file is not writable for a second try",
+                    pinned_memory.error_text(read_only),
+                    "not tried: the file is not writable" if writable is None else pinned_memory.error_text(writable),
                 )
 
-    def _register(self, flags: int) -> bool:
+    def _register(self, flags: int) -> int:
+        """Register the whole mapping: 0, or the error (cleared). Remembers the address registered."""
         import torch
 
-        return int(torch.cuda.cudart().cudaHostRegister(self.view.data_ptr(), self.view.numel(), flags)) == 0
+        self.address = self.view.data_ptr()  # the mapping's start: page-aligned
+        return pinned_memory.register(torch.cuda.cudart(), self.address, self.view.numel(), flags)
 
     def still(self, directory: str) -> bool:
         """Whether the file mapped is still the slot's tensors.bin, of the same size."""
@@ -123,13 +131,23 @@ class MappedSlot:
         return (st.st_ino, st.st_size) == self.identity
 
     def close(self) -> None:
-        import torch
-
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+        self._unpin()
         del self.view
         with contextlib.suppress(BufferError):
             self.mm.close()
+
+    def _unpin(self) -> None:
+        if getattr(self, "pinned", False):  # an __init__ that raised leaves no registration
+            self.pinned = False
+            import torch
+
+            pinned_memory.unregister(torch.cuda.cudart(), self.address)
+
+    def __del__(self) -> None:
+        # Dropped unclosed (a cache let go with its engine): unregister now, while the mapping is
+        # still alive (the mmap object goes after this, with the instance's attributes).
+        with contextlib.suppress(Exception):  # at interpreter exit torch may be gone already
+            self._unpin()
 
 
 def mapped(cache: dict, directory: str, pin: bool) -> MappedSlot:

@@ -19,7 +19,6 @@ Guarantees (protocol.weight_slots states the slot's; these are the writer's):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import mmap
 import os
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from protocol import fsio
+from protocol import fsio, pinned_memory
 from protocol.spool import Spool
 from protocol.weight_slots import (
     ALIGNMENT,
@@ -324,33 +323,47 @@ class SlotRing:
 
 class _Mapping:
     """A slot's tensors.bin mapped shared, as a uint8 tensor; pinned (cudaHostRegister) when asked
-    and CUDA is there."""
+    and CUDA is there. Registered at most once, and unregistered before it is unmapped (close, or
+    when dropped unclosed): a registration outliving its memory would stay in CUDA's books, and a
+    later mapping at those addresses could not be registered, its copies going to the old pages.
+    A registration that fails leaves the copies unpinned (a warning says so) and CUDA's error
+    cleared, so no later CUDA call reports it."""
 
     def __init__(self, fd: int, size: int, inode: int, pin: bool):
         self.size, self.inode = size, inode
+        self.pinned = False
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)  # the same bytes, for copies from CPU tensors
-        self.pinned = False
+        self.address = self.view.data_ptr()  # the mapping's start: page-aligned
         if pin and torch.cuda.is_available():
-            self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.address, size, 0))
+            rc = pinned_memory.register(torch.cuda.cudart(), self.address, size)
             self.pinned = rc == 0
             if not self.pinned:
                 log.warning(
-                    "cudaHostRegister of a %d-byte slot failed (error %d): its copies run unpinned, slower; "
-                    "raise the memlock limit (ulimit -l, systemd LimitMEMLOCK)",
+                    "cudaHostRegister of a %d-byte slot failed (%s): its copies run unpinned, slower (the "
+                    "error is cleared). Is the slot on a tmpfs (/dev/shm)? The kernel may refuse to pin a writable "
+                    "file mapping on a disk filesystem; else the memlock limit (ulimit -l) may be too low",
                     size,
-                    rc,
+                    pinned_memory.error_text(rc),
                 )
 
     def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.pinned = False
+        self._unpin()
         del self.view, self.array
         with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with the process
             self.mm.close()
+
+    def _unpin(self) -> None:
+        if getattr(self, "pinned", False):  # an __init__ that raised leaves no registration
+            self.pinned = False
+            pinned_memory.unregister(torch.cuda.cudart(), self.address)
+
+    def __del__(self) -> None:
+        # Dropped unclosed (a ring let go): unregister now, while the mapping is still alive (the
+        # mmap object goes after this, with the instance's attributes).
+        with contextlib.suppress(Exception):  # at interpreter exit torch may be gone already
+            self._unpin()
 
 
 def _word_sum(data: torch.Tensor) -> torch.Tensor:
