@@ -363,13 +363,11 @@ def test_a_tokenizer_identical_to_the_live_one_is_not_loaded_again(engine, model
     """Each publish carries the same tokenizer files: checked once, when the engine took them.
     Other files are loaded and checked; a config whose vocabulary is smaller than the known
     tokenizer is still refused."""
-    import transformers
+    from rollout_svc.engines import vllm
 
     loads = []
-    real = transformers.AutoTokenizer.from_pretrained
-    monkeypatch.setattr(
-        transformers.AutoTokenizer, "from_pretrained", lambda path, *a, **k: loads.append(path) or real(path, *a, **k)
-    )
+    real = vllm.tokenizer_size
+    monkeypatch.setattr(vllm, "tokenizer_size", lambda path: loads.append(path) or real(path))
     e = engine()
     e.load(str(models["a"]))
     e.load(str(models["b"]))
@@ -497,3 +495,30 @@ def test_the_worker_takes_no_compile_from_its_command_line(tmp_path, monkeypatch
             cli.app, ["serve", "--spool", str(tmp_path / "spool"), "--allowed-root", str(tmp_path), *flags]
         )
     assert [options["compile"] for options in seen] == [False, True]
+
+
+def test_the_tokenizers_size_is_transformers_count_without_importing_transformers(models, tmp_path):
+    """A fast tokenizer is counted by the `tokenizers` library, as transformers counts it (added
+    tokens of tokenizer_config.json included); one that does not parse is a weights_invalid."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from rollout_svc.engines.vllm import tokenizer_size
+
+    for name in ("a", "retok"):
+        assert tokenizer_size(str(models[name])) == len(AutoTokenizer.from_pretrained(models[name])), name
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    for f in models["a"].iterdir():
+        (extra / f.name).write_bytes(f.read_bytes())
+    config = json.loads((extra / "tokenizer_config.json").read_text())
+    config.setdefault("added_tokens_decoder", {})["150"] = {"content": "<extra>", "special": True}
+    (extra / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_size(str(extra)) == len(AutoTokenizer.from_pretrained(extra)) == 101
+    code = (
+        f"import sys; from rollout_svc.engines.vllm import tokenizer_size; tokenizer_size({str(models['a'])!r}); "
+        "print('transformers' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
