@@ -110,7 +110,8 @@ def train(work: Path, args) -> float:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(
-            [*(str(ROOT / p / "src") for p in ("protocol", "rollout_svc", "trainer_svc")), os.environ.get("PYTHONPATH", "")]
+            [str(ROOT / p / "src") for p in ("protocol", "rollout_svc", "trainer_svc")]
+            + [os.environ.get("PYTHONPATH", "")]
         ),
     )
     started = time.monotonic()
