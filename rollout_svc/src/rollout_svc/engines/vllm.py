@@ -97,10 +97,11 @@ class VllmEngine:
     ):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPU. `compile` False on a GPU: no
         torch.compile, the decode steps as whole-step CUDA graphs (vllm_host.compile_options).
-        `sleep_level` None builds the engine without vLLM's sleep mode; 1 (weights kept in host memory) or 2 (weights
-        discarded, reloaded from disk at wake) is the level `sleep()` uses. `max_lora_rank` above
-        0 serves LoRA adapters up to that rank on the loaded weights (rollout_svc.adapters), at most
-        `max_loras` in one engine call, `max_cpu_loras` kept in the engine's cache."""
+        `sleep_level` None builds the engine without vLLM's sleep mode; 1 (weights kept in host
+        memory) or 2 (weights discarded, reloaded from disk at wake) is the level `sleep()` uses.
+        `max_lora_rank` above 0 serves LoRA adapters up to that rank on the loaded weights
+        (rollout_svc.adapters), at most `max_loras` in one engine call, `max_cpu_loras` kept in the
+        engine's cache."""
         if sleep_level is not None and sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level {sleep_level} is not 1 or 2; set --sleep-level to 1 or 2")
         if sleep_level is not None and device == "cpu":
