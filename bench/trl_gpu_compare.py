@@ -12,7 +12,7 @@ allows 10 minutes a command). On a machine without a GPU a small mode checks the
 meaningless; ours runs its worker apart, TRL generates with transformers).
 
 Ours: `trainer-svc train` of --config (configs/smollm2-gpu.toml: the worker colocated on the
-trainer's GPU, `ahead = 1`, tis, spares sized from the dead rate), with only these changed: the
+trainer's GPU, `ahead = 1`, tis, every group trained on), with only these changed: the
 run directory, train.steps, canary.every (--eval-every) and, where given, the model, batch and
 token overrides. Its canary (canary.jsonl) is the held-out greedy accuracy: the first
 canary.problems held-out rows, answered greedily through the spool from the newest weights.
@@ -30,10 +30,11 @@ token-mean loss over the batch (TRL's "dapo"), rewards scaled by the group's std
 truncated importance sampling against vLLM's logprobs per token capped at loss.correction_cap
 (TRL's "token_truncate"; ours corrects samples one step old by the same weight). What differs by
 design: TRL generates each step's samples right before training on them (on-policy, one process);
-ours generates the next step's while this one trains (`ahead = 1`) in a worker process, and
-replaces groups whose samples all scored alike by spare prompts. The held-out greedy accuracy on
-TRL's side: every --eval-every steps (and before the first), the same rows rendered the same way,
-answered greedily by the training model with transformers' generate, graded by the same verifier.
+ours generates the next step's while this one trains (`ahead = 1`) in a worker process (and,
+where a config asks for spare prompts, replaces groups whose samples all scored alike by them).
+The held-out greedy accuracy on TRL's side: every --eval-every steps (and before the first), the
+same rows rendered the same way, answered greedily by the training model with transformers'
+generate, graded by the same verifier.
 
 Timing: each side's metrics lines (ours metrics.jsonl, TRL's per-step rows) are stamped as they
 appear (every 20 ms), from the launch; held-out accuracies carry their wall-clock time. Per step:
@@ -41,6 +42,9 @@ median seconds over the steps after --skip, generated tokens per second (the tra
 tokens over the step's seconds; ours also generates spare prompts, counted apart). Peak GPU
 memory: `nvidia-smi`'s memory.used of the whole device every 250 ms (both of ours processes and
 TRL's one, vLLM's reserved share included) and, on TRL's side, torch's own peak in its process.
+Ours also reports, from its worker's log: the engine's build, and per step the reload and the
+engine call (with its `LLM.generate` part); the step over max(the worker's reload and call, train
+and publish) says how well generation overlaps training.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -216,7 +221,38 @@ def run_ours(raw: dict, work: Path, args) -> dict:
         {"step": r["step"], "accuracy": r["accuracy"], "t": round(r["time"] - found["launched"], 2)}
         for r in found["rows"]["evals"]
     ]
-    return {"exit": found["exit"], "total_s": found["total_s"], "steps": steps, "evals": evals, "peak_gpu_gib": peak}
+    worker_log = run_dir / "rollout-worker.log"
+    sequences = raw["rollout"]["prompts_per_step"] * raw["rollout"]["samples_per_prompt"]
+    worker = worker_figures(worker_log.read_text(errors="replace"), sequences) if worker_log.exists() else {}
+    return {"exit": found["exit"], "total_s": found["total_s"], "steps": steps, "evals": evals, "peak_gpu_gib": peak,
+            "worker": worker}  # fmt: skip
+
+
+WORKER_LINES = {
+    "reload": re.compile(r"reloaded \S+ in ([\d.]+) s \(weights ([\d.]+) s, prefix cache and check ([\d.]+) s\)"),
+    "call": re.compile(r"generated (\d+) sequences in ([\d.]+) s \(LLM\.generate ([\d.]+) s\)"),
+    "llm": re.compile(r"vllm_host\[\d+\]: engine built for \S+ in ([\d.]+) s"),
+    "process": re.compile(r"engine process \d+ built for \S+ in ([\d.]+) s"),
+}
+
+
+def worker_figures(log: str, sequences: int) -> dict:
+    """Medians of the worker's in-place reloads (all, the weights, the prefix-cache reset and
+    check) and of its engine calls of a step's `sequences` (all, LLM.generate), and its engine
+    build (the engine process from its start, vLLM's LLM(...) in it), from its log lines."""
+    found = {name: [m.groups() for m in pattern.finditer(log)] for name, pattern in WORKER_LINES.items()}
+    calls = [(float(a), float(b)) for n, a, b in found["call"] if int(n) == sequences]
+    figures = {}
+    if found["reload"]:
+        for i, key in enumerate(("reload_s", "reload_weights_s", "reload_check_s")):
+            figures[key] = round(statistics.median(float(r[i]) for r in found["reload"]), 4)
+    if calls:
+        figures["call_s"] = round(statistics.median(c for c, _ in calls), 4)
+        figures["call_llm_generate_s"] = round(statistics.median(g for _, g in calls), 4)
+    if found["process"] and found["llm"]:
+        figures["engine_process_build_s"] = float(found["process"][0][0])
+        figures["engine_llm_s"] = float(found["llm"][0][0])
+    return figures
 
 
 # -- TRL -------------------------------------------------------------------------------------------
@@ -482,6 +518,19 @@ def summary(found: dict, skip: int) -> dict:
             figures["steps_with_a_retry"] = sum(s["retries"] > 0 for s in kept)
             for part in ("wait_s", "train_s", "publish_s"):
                 figures[f"median_{part}"] = round(statistics.median(s[part] for s in kept), 3)
+        last = steps[-1]["step"]
+        ranges = [(skip + 1, last // 3), (last // 3 + 1, 2 * last // 3), (2 * last // 3 + 1, last)]
+        figures["median_step_s_by_range"] = {
+            f"{a}-{b}": round(statistics.median(s["step_s"] for s in steps if a <= s["step"] <= b), 3)
+            for a, b in ranges
+            if any(a <= s["step"] <= b for s in steps)
+        }
+        worker = found.get("worker") or {}
+        if "reload_s" in worker and "call_s" in worker and "median_train_s" in figures:
+            generation = worker["reload_s"] + worker["call_s"]
+            bound = max(generation, figures["median_train_s"] + figures["median_publish_s"])
+            figures["step_over_max_generation_train_publish"] = round(figures["median_step_s"] / bound, 3)
+            figures["worker"] = worker
     if found.get("peak_torch_gib") is not None:
         figures["peak_torch_gib"] = found["peak_torch_gib"]
     evals = found["evals"]

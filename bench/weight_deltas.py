@@ -81,14 +81,14 @@ def main() -> None:
 
 
 def train(work: Path, args) -> float:
-    demo = dict(args.settings)
-    demo.pop("sft", None)
-    if demo.get("data", {}).get("path"):  # relative to the checkout, as the config's comment says
-        demo["data"] = demo["data"] | {"path": str(ROOT / demo["data"]["path"])}
+    settings = dict(args.settings)
+    settings.pop("sft", None)
+    if settings.get("data", {}).get("path"):  # relative to the checkout, as the config's comment says
+        settings["data"] = settings["data"] | {"path": str(ROOT / settings["data"]["path"])}
     config = write_run_config(
         work / "run.toml",
         merge(
-            demo,
+            settings,
             {
                 "run": {"dir": str(work / "run")},
                 "model": {"path": str(args.model.resolve())},

@@ -137,6 +137,28 @@ def check_bf16_greedy(reference: ScaledReference, model_dir: Path, prompt_ids: l
         assert gap <= bound, f"{where} lies {gap:.3f} below the best logit (bound {bound:.3f})"
 
 
+def check_bf16_logprobs(reference: ScaledReference, model_dir: Path, completion, temperature: float) -> None:
+    """Sampling logprobs of a bf16 engine (a Completion or a Result: prompt_token_ids, token_ids,
+    logprobs) against float32 transformers: per token within 2 c U H / T (see BF16_U). The measured
+    ratio |diff| / (U H / T) is printed, so that c can be checked against each GPU's figures."""
+    rows = []  # (|diff|, H / T)
+    for prompt_ids, samples, logprobs in zip(
+        completion.prompt_token_ids, completion.token_ids, completion.logprobs, strict=True
+    ):
+        for sample_ids, sample_logprobs in zip(samples, logprobs, strict=True):
+            expected = reference.logprobs_and_scales(model_dir, prompt_ids, sample_ids, temperature)
+            rows += [(abs(got - want), scale) for got, (want, scale) in zip(sample_logprobs, expected, strict=True)]
+    diffs = [d for d, _ in rows]
+    ratios = [d / (BF16_U * s) for d, s in rows]
+    print(
+        f"\nbf16 logprob |vLLM - float32 transformers| over {len(rows)} tokens: max {max(diffs):.3e}, "
+        f"mean {sum(diffs) / len(diffs):.3e}; scale H/T max {max(s for _, s in rows):.1f}; "
+        f"|diff| / (U H/T): max {max(ratios):.2f}, mean {sum(ratios) / len(ratios):.2f} (bound {2 * BF16_ROUNDINGS})"
+    )
+    worst = max(range(len(rows)), key=lambda i: ratios[i])
+    assert ratios[worst] <= 2 * BF16_ROUNDINGS, f"token {worst}: |diff| {rows[worst][0]:.3f}, H/T {rows[worst][1]:.1f}"
+
+
 def metric(path: Path, name: str) -> float | None:
     """A sample's value in a worker's metrics textfile (labels ignored), None when absent."""
     if not path.exists():

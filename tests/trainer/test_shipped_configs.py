@@ -26,3 +26,14 @@ def test_the_sums_rows_are_the_generators(tmp_path):
     out = tmp_path / "sums.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "two_digit_sums.py"), str(out)], check=True)
     assert out.read_bytes() == (ROOT / "configs" / "data" / "two_digit_sums.jsonl").read_bytes()
+
+
+def test_the_gpu_config_has_the_settings_the_readme_gives(monkeypatch):
+    """README, "On GPUs": temperature 0.7, lr 2e-5, 16 tokens, no compiling on either side,
+    ahead = 1, slots (the default beside a spawned worker), every group trained on."""
+    monkeypatch.chdir(ROOT)
+    cfg = load(ROOT / "configs" / "smollm2-gpu.toml")
+    assert (cfg.rollout.temperature, cfg.train.lr, cfg.rollout.max_tokens) == (0.7, 2e-5, 16)
+    assert cfg.model.compile == "off" and "--no-compile" in cfg.rollout.worker_args
+    assert (cfg.rollout.colocate, cfg.rollout.ahead, cfg.publish.slots) == (True, 1, "auto")
+    assert (cfg.rollout.spare_prompts, cfg.rollout.spare_prompts_max, cfg.loss.dead_group_retries) == (0, 0, 0)

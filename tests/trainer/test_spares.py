@@ -98,6 +98,16 @@ def test_without_spares_every_dead_group_is_retried(tmp_path):
     assert (rollouts.dead_initial, rollouts.spares_used, rollouts.dead_final) == (2, 0, 1)
 
 
+def test_without_spares_or_retries_every_group_is_trained_on_as_sampled(tmp_path):
+    """spare_prompts = 0 and dead_group_retries = 0: one request, the step's own groups as they
+    came back, the dead ones with advantage 0 (nothing for the gradient)."""
+    rollouts, sampler = step_of(tmp_path, live=[1, 3], spares=0, retries=0)
+    assert [t.prompts for t in sampler.submitted] == [("q0", "q1", "q2", "q3")]
+    assert [p.prompt for p in rollouts.problems] == ["q0", "q1", "q2", "q3"]
+    assert (rollouts.dead_initial, rollouts.dead_final, rollouts.retries) == (2, 2, 0)
+    assert (rollouts.advantages[[0, 2]] == 0).all() and (rollouts.advantages[[1, 3]] != 0).all()
+
+
 # -- spares sized from the measured dead rate (rollout.spare_prompts_max) --------------------------
 
 

@@ -77,3 +77,28 @@ def test_summary_times_accuracy_from_launch_and_skips_the_first_steps():
     assert (figures["launch_to_accuracy_0.8_s"], figures["step_reaching_accuracy_0.8"]) == (105.0, 5)
     assert (figures["launch_to_accuracy_0.85_s"], figures["step_reaching_accuracy_0.85"]) == (310.0, 10)
     assert figures["best_accuracy_within_300_s"] == 0.82
+
+
+def test_the_workers_reloads_calls_and_build_are_read_from_its_log():
+    log = "\n".join(
+        [
+            "x INFO rollout_svc.engines.vllm_host[7]: engine built for /m in 39.5 s (CUDA graphs FULL_DECODE_ONLY)",
+            "x INFO rollout_svc.engines.vllm: engine process 7 built for /m in 61.9 s (CUDA graphs FULL_DECODE_ONLY)",
+            "x vllm_host[7]: generated 64 sequences in 0.268 s (LLM.generate 0.239 s)",  # a canary: not a step's
+            "x vllm_host[7]: reloaded /s/slot_0 in 0.247 s (weights 0.073 s, prefix cache and check 0.174 s)",
+            "x vllm_host[7]: generated 512 sequences in 0.554 s (LLM.generate 0.528 s)",
+            "x vllm_host[7]: reloaded /s/slot_1 in 0.043 s (weights 0.026 s, prefix cache and check 0.017 s)",
+            "x vllm_host[7]: generated 512 sequences in 0.474 s (LLM.generate 0.445 s)",
+            "x vllm_host[7]: reloaded /s/slot_0 in 0.155 s (weights 0.037 s, prefix cache and check 0.117 s)",
+            "x vllm_host[7]: generated 512 sequences in 0.395 s (LLM.generate 0.378 s)",
+        ]
+    )
+    assert compare.worker_figures(log, 512) == {
+        "reload_s": 0.155,
+        "reload_weights_s": 0.037,
+        "reload_check_s": 0.117,
+        "call_s": 0.474,
+        "call_llm_generate_s": 0.445,
+        "engine_process_build_s": 61.9,
+        "engine_llm_s": 39.5,
+    }

@@ -50,3 +50,32 @@ def test_a_refusal_is_returned_and_nothing_is_retried():
 def test_a_stale_registration_that_cannot_be_dropped_leaves_the_mapping_unpinned():
     runtime = Runtime(pinned_memory.ALREADY_REGISTERED, unregister_code=1)
     assert pinned_memory.register(runtime, 8192, 100) == pinned_memory.ALREADY_REGISTERED
+
+
+class Mapping:
+    """Stands for an mmap: what matters is when it may go."""
+
+
+def test_a_pin_keeps_its_mapping_until_it_is_released_once():
+    import weakref
+
+    runtime, mapping = Runtime(0), Mapping()
+    gone = weakref.ref(mapping)
+    pin = pinned_memory.Pin(runtime, mapping, 8192, 100)
+    del mapping
+    assert pin.pinned and gone() is not None  # never unmapped while registered
+    pin.release()
+    pin.release()
+    assert not pin.pinned and gone() is None
+    assert [c[0] for c in runtime.calls] == ["register", "unregister"]
+
+
+def test_a_dropped_pin_is_unregistered_and_a_refused_one_holds_nothing():
+    runtime = Runtime(0, 1)
+    pin = pinned_memory.Pin(runtime, Mapping(), 8192, 100)
+    del pin
+    assert [c[0] for c in runtime.calls] == ["register", "unregister"]
+    refused = pinned_memory.Pin(runtime, Mapping(), 8192, 100)
+    assert (refused.pinned, refused.code) == (False, 1)
+    del refused
+    assert [c[0] for c in runtime.calls] == ["register", "unregister", "register"]

@@ -522,3 +522,12 @@ def test_the_tokenizers_size_is_transformers_count_without_importing_transformer
         "print('transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_the_engines_description_says_when_it_runs_without_torch_compile():
+    from rollout_svc.engines.vllm_host import describe
+
+    graphs = {"enforce_eager": False, "cudagraph_mode": "CUDAGraphMode.FULL_DECODE_ONLY", "cuda_graphs": 51}
+    assert describe(graphs | {"compilation_mode": "0"}) == "CUDA graphs FULL_DECODE_ONLY, 51 captured, no torch.compile"
+    assert describe(graphs | {"compilation_mode": "3"}) == "CUDA graphs FULL_DECODE_ONLY, 51 captured"
+    assert describe({"enforce_eager": True, "compilation_mode": "0"}) == "eager"

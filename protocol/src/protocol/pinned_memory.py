@@ -10,7 +10,9 @@ Guarantees:
   refused registration made the next `tensor.to()` raise "invalid argument"). torch binds no
   cudaGetLastError, so it is called through ctypes on the runtime library torch loaded;
 - a registration left by memory unmapped without unregistering, at the addresses of a mapping
-  made just now, is dropped and the new mapping registered in its place.
+  made just now, is dropped and the new mapping registered in its place;
+- a `Pin` is unregistered once, by `release` or when it is dropped, and always before its mapping
+  is unmapped: it holds the mapping, so the mapping outlives it.
 A registration the kernel refuses (on many kernels a writable file mapping outside tmpfs) leaves
 the copies unpinned: correct, and slower; callers log it with `error_text`.
 """
@@ -25,6 +27,29 @@ import os
 
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+class Pin:
+    """The registration of `mapping` (an mmap, whose first byte is at `address`) for the GPU's
+    copies. `pinned` says whether it took; `code` is 0 or the refusal's error code."""
+
+    def __init__(self, cudart, mapping, address: int, size: int, flags: int = 0):
+        self.cudart, self.address = cudart, address
+        self.code = register(cudart, address, size, flags)
+        self._mapping = mapping if self.code == 0 else None  # kept alive while registered
+
+    @property
+    def pinned(self) -> bool:
+        return self._mapping is not None
+
+    def release(self) -> None:
+        if self._mapping is not None:
+            self._mapping = None
+            unregister(self.cudart, self.address)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone already
+            self.release()
 
 
 def whole_pages(size: int) -> int:

@@ -62,12 +62,9 @@ def slot_lease(real: str, content_id: str, reader: str) -> Iterator[None]:
 
 
 class MappedSlot:
-    """A slot's tensors.bin mapped shared into this process, as a uint8 tensor (`view`). Pinned
-    (`pin`, on a GPU) at most once, and unregistered before it is unmapped (close, or when dropped
-    unclosed): a registration outliving its memory would stay in CUDA's books, and a later mapping
-    at those addresses could not be registered, its copies going to the old pages. A registration
-    that fails leaves the copies unpinned (a warning says so) and CUDA's error cleared, so no later
-    CUDA call reports it."""
+    """A slot's tensors.bin mapped shared into this process, as a uint8 tensor (`view`), pinned
+    (`pin`, on a GPU; through protocol.pinned_memory) when the runtime takes it: a registration
+    that fails leaves the copies unpinned, with a warning."""
 
     def __init__(self, directory: str, pin: bool, private: bool = False):
         """`private`: copy-on-write (MAP_PRIVATE), so a loader that writes into a tensor it was
@@ -75,7 +72,7 @@ class MappedSlot:
         import torch
 
         path = os.path.join(directory, SLOT_DATA)
-        self.pinned = False
+        self.pin = None
         fd = os.open(path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
@@ -90,9 +87,9 @@ class MappedSlot:
             warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is read-only: it is, by design
             self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
         if pin and torch.cuda.is_available():
-            read_only = self._register(pinned_memory.READ_ONLY)
+            read_only = self._pin(pinned_memory.READ_ONLY)
             writable = None
-            if read_only != 0 and os.access(path, os.W_OK):
+            if not read_only.pinned and os.access(path, os.W_OK):
                 # Where read-only registration is not supported (most hosts without ATS), a writable
                 # mapping can be registered; it is only ever read here.
                 del self.view
@@ -103,24 +100,27 @@ class MappedSlot:
                 finally:
                     os.close(fd)
                 self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
-                writable = self._register(0)
-            self.pinned = read_only == 0 or writable == 0
+                writable = self._pin(0)
             if not self.pinned:
+                tried = "not tried: the file is not writable" if writable is None else None
                 log.warning(
                     "%s could not be pinned (cudaHostRegister failed: read-only, %s; writable, %s): its copies to "
                     "the GPU run unpinned, slower (the error is cleared); the memlock limit (ulimit -l, systemd "
                     "LimitMEMLOCK) may be too low",
                     path,
-                    pinned_memory.error_text(read_only),
-                    "not tried: the file is not writable" if writable is None else pinned_memory.error_text(writable),
+                    pinned_memory.error_text(read_only.code),
+                    tried or pinned_memory.error_text(writable.code),
                 )
 
-    def _register(self, flags: int) -> int:
-        """Register the whole mapping: 0, or the error (cleared). Remembers the address registered."""
+    def _pin(self, flags: int) -> pinned_memory.Pin:
         import torch
 
-        self.address = self.view.data_ptr()  # the mapping's start: page-aligned
-        return pinned_memory.register(torch.cuda.cudart(), self.address, self.view.numel(), flags)
+        self.pin = pinned_memory.Pin(torch.cuda.cudart(), self.mm, self.view.data_ptr(), self.view.numel(), flags)
+        return self.pin
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin is not None and self.pin.pinned
 
     def still(self, directory: str) -> bool:
         """Whether the file mapped is still the slot's tensors.bin, of the same size."""
@@ -131,23 +131,11 @@ class MappedSlot:
         return (st.st_ino, st.st_size) == self.identity
 
     def close(self) -> None:
-        self._unpin()
+        if self.pin is not None:
+            self.pin.release()
         del self.view
         with contextlib.suppress(BufferError):
             self.mm.close()
-
-    def _unpin(self) -> None:
-        if getattr(self, "pinned", False):  # an __init__ that raised leaves no registration
-            self.pinned = False
-            import torch
-
-            pinned_memory.unregister(torch.cuda.cudart(), self.address)
-
-    def __del__(self) -> None:
-        # Dropped unclosed (a cache let go with its engine): unregister now, while the mapping is
-        # still alive (the mmap object goes after this, with the instance's attributes).
-        with contextlib.suppress(Exception):  # at interpreter exit torch may be gone already
-            self._unpin()
 
 
 def mapped(cache: dict, directory: str, pin: bool) -> MappedSlot:

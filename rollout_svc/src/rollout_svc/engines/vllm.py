@@ -434,9 +434,9 @@ def _tokenizer_id(weights: Weights, known: tuple[str | None, int] = (None, 0)) -
 
 def tokenizer_size(directory: str) -> int:
     """Tokens of the tokenizer saved in `directory` (transformers' len(tokenizer)). A fast
-    tokenizer (tokenizer.json) is read with the `tokenizers` library in 0.2 s: through transformers,
-    its import alone cost a worker about 9 s before its engine process even started. Others load
-    through transformers' AutoTokenizer."""
+    tokenizer (tokenizer.json) is read with the `tokenizers` library in 0.3 s: through transformers,
+    its import alone cost a worker about 7 s on a 2-core CPU before its engine process even started
+    (bench/tokenizer_check.py). Others load through transformers' AutoTokenizer."""
     fast = os.path.join(directory, "tokenizer.json")
     if not os.path.exists(fast):
         from transformers import AutoTokenizer

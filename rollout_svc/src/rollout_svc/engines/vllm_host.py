@@ -409,8 +409,11 @@ def describe(facts: dict) -> str:
     mode = facts.get("cudagraph_mode", "NONE").rpartition(".")[2]
     if facts.get("enforce_eager") or mode == "NONE":
         return "eager"
-    compiled = facts.get("compilation_mode", "").rpartition(".")[2] in ("", "VLLM_COMPILE", "3")
-    return f"CUDA graphs {mode}, {facts.get('cuda_graphs', 0)} captured" + ("" if compiled else ", no torch.compile")
+    described = f"CUDA graphs {mode}, {facts.get('cuda_graphs', 0)} captured"
+    # vLLM's CompilationMode.NONE, as its name or its value
+    if facts.get("compilation_mode", "").rpartition(".")[2] in ("NONE", "0"):
+        described += ", no torch.compile"
+    return described
 
 
 def _torch_dtype(dtype):

@@ -322,48 +322,37 @@ class SlotRing:
 
 
 class _Mapping:
-    """A slot's tensors.bin mapped shared, as a uint8 tensor; pinned (cudaHostRegister) when asked
-    and CUDA is there. Registered at most once, and unregistered before it is unmapped (close, or
-    when dropped unclosed): a registration outliving its memory would stay in CUDA's books, and a
-    later mapping at those addresses could not be registered, its copies going to the old pages.
-    A registration that fails leaves the copies unpinned (a warning says so) and CUDA's error
-    cleared, so no later CUDA call reports it."""
+    """A slot's tensors.bin mapped shared, as a uint8 tensor; pinned (cudaHostRegister, through
+    protocol.pinned_memory) when asked and CUDA is there. A registration that fails leaves the
+    copies unpinned, with a warning."""
 
     def __init__(self, fd: int, size: int, inode: int, pin: bool):
         self.size, self.inode = size, inode
-        self.pinned = False
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)  # the same bytes, for copies from CPU tensors
-        self.address = self.view.data_ptr()  # the mapping's start: page-aligned
+        self.pin = None
         if pin and torch.cuda.is_available():
-            rc = pinned_memory.register(torch.cuda.cudart(), self.address, size)
-            self.pinned = rc == 0
-            if not self.pinned:
+            self.pin = pinned_memory.Pin(torch.cuda.cudart(), self.mm, self.view.data_ptr(), size)
+            if not self.pin.pinned:
                 log.warning(
                     "cudaHostRegister of a %d-byte slot failed (%s): its copies run unpinned, slower (the "
                     "error is cleared). Is the slot on a tmpfs (/dev/shm)? The kernel may refuse to pin a writable "
                     "file mapping on a disk filesystem; else the memlock limit (ulimit -l) may be too low",
                     size,
-                    pinned_memory.error_text(rc),
+                    pinned_memory.error_text(self.pin.code),
                 )
 
+    @property
+    def pinned(self) -> bool:
+        return self.pin is not None and self.pin.pinned
+
     def close(self) -> None:
-        self._unpin()
+        if self.pin is not None:
+            self.pin.release()
         del self.view, self.array
         with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with the process
             self.mm.close()
-
-    def _unpin(self) -> None:
-        if getattr(self, "pinned", False):  # an __init__ that raised leaves no registration
-            self.pinned = False
-            pinned_memory.unregister(torch.cuda.cudart(), self.address)
-
-    def __del__(self) -> None:
-        # Dropped unclosed (a ring let go): unregister now, while the mapping is still alive (the
-        # mmap object goes after this, with the instance's attributes).
-        with contextlib.suppress(Exception):  # at interpreter exit torch may be gone already
-            self._unpin()
 
 
 def _word_sum(data: torch.Tensor) -> torch.Tensor:
