@@ -9,8 +9,10 @@ the file survives a power cut. Scratch files left by a crash are harmless and pr
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,20 +118,37 @@ def publish(scratch_dir: Path, final: Path, data: bytes, *, replace: bool = Fals
     return created
 
 
-def read_regular_file(path: Path, max_bytes: int) -> bytes:
-    """Read a regular file without following a symlink; refuses more than `max_bytes`.
+class NotRegularFile(OSError):
+    """A path that is a FIFO, a device, a socket or a directory where a regular file was expected."""
 
-    Raises IsADirectoryError / OSError(ELOOP) for non-regular entries and ValueError when the
+
+def read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """Read a file someone else may have written: never blocks, never follows a symlink, reads
+    only a regular file, and at most `max_bytes`.
+
+    O_NONBLOCK makes opening a FIFO return at once (a plain open waits for a writer forever) and
+    fstat then refuses it; O_NOFOLLOW refuses a symlink as the last component (OSError ELOOP).
+    Raises NotRegularFile for FIFOs, devices, sockets and directories, and ValueError when the
     file is larger than allowed, without reading it all.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
     finally:
         os.close(fd)
+    data = b"".join(chunks)
     if len(data) > max_bytes:
-        raise ValueError(f"larger than {max_bytes} bytes")
+        raise ValueError(f"{path} is larger than {max_bytes} bytes")
     return data
 
 
