@@ -2,8 +2,8 @@
 
 Worker A (vLLM, so its engine call lasts long enough to be caught in it) finds a two-part call
 first, while worker B is idle but frozen before its scan: A must take one part and leave the
-other to B. And a peer that looks idle but never comes costs a part one engine call of the
-other worker, never its lease.
+other to B. And peers that look idle but never come cost the call one more engine call of the
+other worker, never their lease.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import signal
 import time
 
 import pytest
-from conftest import ENGINE_START_TIMEOUT_S, kill_session, start_worker, wait_for_status
+from conftest import ENGINE_START_TIMEOUT_S, kill_session, poll, start_worker, wait_for_status
 
-from protocol.messages import Request, decode_status
+from protocol.messages import Request, WorkerStatus, decode_status
 from protocol.spool import Spool
 
 pytestmark = pytest.mark.timeout(900)
@@ -106,17 +106,48 @@ def test_the_worker_that_scans_first_leaves_the_other_part_to_its_idle_peer(mode
     assert sorted(by.values()) == ["fan-a", "fan-b"], by
 
 
-def test_a_peer_that_looks_idle_but_never_comes_costs_no_lease(tmp_path, workers):
-    """B is frozen (idle by its status for its 120 s lease): A serves both parts, one engine call
-    after the other, while B still counts as live."""
+def ghost_status(spool: Spool, worker_id: str) -> None:
+    """The status file of a worker that says idle, with a long lease, and never comes."""
+    now = time.time()
+    status = WorkerStatus(
+        worker_id=worker_id, pid=2**22 + 1, host="elsewhere", device="cpu", engine="echo", state="idle",
+        lease_s=float(LEASE_S), started_at=now, heartbeat_at=now,
+    )  # fmt: skip
+    spool.write_status(status)
+
+
+@pytest.mark.parametrize(("parts", "ghosts"), [(4, 1), (8, 7), (3, 1)])
+def test_peers_that_look_idle_but_never_come_cost_one_engine_call_and_no_lease(tmp_path, workers, parts, ghosts):
+    """Worker A finds a call while its peers look idle and never come: one is a real worker
+    SIGKILLed while idle (its status stays for its lease), the others frozen by SIGSTOP or mere
+    status files. A serves every part in two engine calls (its share, then all that is left), never
+    one engine call per part, and never waits for a lease to run out."""
     spool = Spool(tmp_path / "spool", create=True)
     common = ["--engine", "echo", "--idle-exit", "0", "--lease", LEASE_S]
-    for name in ("a", "b"):
+    names = ["a", "killed", "frozen"][: 1 + min(ghosts, 2)]
+    for name in names:
         workers[name] = start_worker(spool.root, f"echo-{name}", *common, log_dir=tmp_path)
         wait_for_status(spool, f"echo-{name}", lambda s: s.state == "idle", 60, workers[name])
-    os.killpg(workers["b"].pid, signal.SIGSTOP)
-    parts = call("late", "/models/none", 3, n_samples_per_prompt=1, max_tokens=4)
-    spool.submit_many(parts)
-    by = served_by(spool, [p.request_id for p in parts])
+    for i in range(ghosts - (len(names) - 1)):
+        ghost_status(spool, f"ghost-{i}")
+    if "killed" in workers:
+        os.killpg(workers["killed"].pid, signal.SIGKILL)
+        workers["killed"].wait(timeout=30)
+    if "frozen" in workers:
+        os.killpg(workers["frozen"].pid, signal.SIGSTOP)
+    os.killpg(workers["a"].pid, signal.SIGSTOP)  # so its first scan finds the whole call
+    before = decode_status(spool.status_path("echo-a").read_bytes()).counters
+    call_parts = call("late", "/models/none", parts, n_samples_per_prompt=1, max_tokens=4)
+    spool.submit_many(call_parts)
+    os.killpg(workers["a"].pid, signal.SIGCONT)
+    by = served_by(spool, [p.request_id for p in call_parts], timeout_s=60)
     assert set(by.values()) == {"echo-a"}, by
-    assert "echo-b" in {s.worker_id for s in Spool(spool.root).live_workers()}  # its lease never ran out
+    live = {s.worker_id for s in Spool(spool.root).live_workers()}
+    assert {f"echo-{name}" for name in names[1:]} <= live  # their leases never ran out
+    counters = poll(
+        lambda: decode_status(spool.status_path("echo-a").read_bytes()).counters,
+        lambda c: c.requests_ok - before.requests_ok >= parts,  # the status written after the last result
+        timeout_s=30,
+    )
+    calls = counters.engine_calls - before.engine_calls
+    assert calls == 2, f"{parts} parts with {ghosts} peers that never come took {calls} engine calls"

@@ -28,6 +28,7 @@ FAMILIES = {
     "rollout_tokens_per_second",
     "rollout_reload_seconds",
     "rollout_generated_tokens",
+    "rollout_engine_calls",
     "rollout_generation_seconds",
     "rollout_reloading_seconds",
     "rollout_requests",
@@ -74,6 +75,7 @@ def test_a_fresh_file_parses_with_every_family_at_zero(tmp_path):
         "rollout_tokens_per_second",
         "rollout_reload_seconds",
         "rollout_generated_tokens_total",
+        "rollout_engine_calls_total",
         "rollout_generation_seconds_total",
         "rollout_reloading_seconds_total",
         "rollout_reloads_total",
@@ -243,6 +245,7 @@ def test_a_worker_counts_a_good_and_a_bad_request(spool, make_request, wait_for,
     assert value(parsed, "rollout_errors_total", worker="w1", code="bad_json") == 1
     assert [dict(labels)["code"] for n, labels in parsed if n == "rollout_errors_total"] == ["bad_json"]
     assert value(parsed, "rollout_generated_tokens_total", worker="w1") == 10  # 2 samples x 5 tokens
+    assert value(parsed, "rollout_engine_calls_total", worker="w1") == 1  # the bad file never reaches the engine
     assert value(parsed, "rollout_tokens_per_second", worker="w1") > 0
     assert value(parsed, "rollout_reloads_total", worker="w1") == 0  # echo never reloads
     assert spool.read_result("bad").error.code.value == "bad_json"

@@ -350,15 +350,44 @@ def test_a_worker_takes_its_share_of_a_call_rounded_up(spool, make_request, part
     assert pick_as(spool) == [f"c-p{i}.json" for i in range(share)]
 
 
-def test_a_part_left_pending_after_a_share_is_taken_at_the_next_pick(spool, make_request):
-    """A peer that looks idle but never comes (frozen within its lease) delays a part by one
-    engine call of this worker, never more: every pick takes at least one part."""
-    put_call(spool, make_request, "c", 2)
-    peer(spool, "frozen")
+@pytest.mark.parametrize(("parts", "ghosts", "share"), [(2, 1, 1), (4, 1, 2), (8, 7, 1), (5, 2, 2)])
+def test_parts_left_pending_after_a_share_are_all_taken_at_the_next_pick(spool, make_request, parts, ghosts, share):
+    """Peers that look idle but never come (frozen, or killed, within their lease) delay the
+    parts left to them by one engine call of this worker, never more: the next pick takes them all."""
+    put_call(spool, make_request, "c", parts)
+    for i in range(ghosts):
+        peer(spool, f"frozen{i}")
+    scheduler = Scheduler(spool)
+    first = pick_as(spool, scheduler=scheduler)
+    assert first == [f"c-p{i}.json" for i in range(share)]
+    for name in first:
+        os.unlink(spool.requests / name)  # claimed and served
+    scheduler.served(["c"])
+    assert pick_as(spool, scheduler=scheduler) == [f"c-p{i}.json" for i in range(share, parts)]
+
+
+def test_a_claim_lost_to_a_faster_peer_leaves_the_share_rule_as_it_was(spool, make_request):
+    put_call(spool, make_request, "c", 4)
+    for i in range(3):
+        peer(spool, f"idle{i}")
     scheduler = Scheduler(spool)
     assert pick_as(spool, scheduler=scheduler) == ["c-p0.json"]
-    os.unlink(spool.requests / "c-p0.json")  # claimed and served
-    assert pick_as(spool, scheduler=scheduler) == ["c-p1.json"]
+    os.unlink(spool.requests / "c-p0.json")  # a peer claimed it first: this worker serves nothing of c
+    peer(spool, "idle0", "generating")
+    assert pick_as(spool, scheduler=scheduler) == ["c-p1.json"]  # its share among the two idle peers left
+
+
+def test_a_call_is_forgotten_once_none_of_its_parts_is_pending(spool, make_request):
+    put_call(spool, make_request, "c", 2)
+    peer(spool, "other")
+    scheduler = Scheduler(spool)
+    assert pick_as(spool, scheduler=scheduler) == ["c-p0.json"]
+    scheduler.served(["c"])
+    for name in ("c-p0.json", "c-p1.json"):
+        os.unlink(spool.requests / name)  # both served, one by the peer
+    assert pick_as(spool, scheduler=scheduler) == []
+    put_call(spool, make_request, "c", 2)  # a call id used again (a relaunch) is shared afresh
+    assert pick_as(spool, scheduler=scheduler) == ["c-p0.json"]
 
 
 def test_each_call_is_shared_on_its_own_and_requests_without_a_call_batch_as_before(spool, make_request):

@@ -196,6 +196,7 @@ class WorkerCounters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     requests_failed: int = 0  # error results published
     requests_abandoned: int = 0  # claims given back or dropped without a result
     samples: int = 0  # completions generated
+    engine_calls: int = 0  # calls into the engine: the requests batched into one call count once
     tokens: int = 0  # generated tokens
 
 

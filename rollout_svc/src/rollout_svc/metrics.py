@@ -59,6 +59,7 @@ class _Snapshot:
         )
         yield gauge("rollout_reload_seconds", "Duration of the last weight reload or engine build", t.reload_s)
         yield counter("rollout_generated_tokens", "Generated tokens", c.tokens)
+        yield counter("rollout_engine_calls", "Engine calls (requests batched into one count once)", c.engine_calls)
         # Over any window: rate(generated_tokens) / rate(generation_seconds) is the generation's
         # tokens/s, and rate(reloading_seconds) the share of time spent loading weights.
         yield counter(

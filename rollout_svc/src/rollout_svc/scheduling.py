@@ -9,8 +9,10 @@ Fan-out is a rule: the parts of one call (requests with the same `call_id`) go t
 workers. A worker takes only its share of a call's pending parts: the parts divided among itself
 and the other live workers whose status says idle or sleeping, rounded up. With a part per
 worker, the first to scan takes one part and leaves the others to its idle peers. A worker whose
-peers are busy or gone takes all that is left; one that finds parts still pending after serving
-its share takes its share again, so nothing waits on a peer that looks idle but does not come.
+peers are busy or gone takes all that is left. A worker that finds parts of a call still pending
+after it served its share takes all of them: its idle peers had a whole engine call's time to come,
+so peers that look idle but never come (frozen, or SIGKILLed within their lease) cost the call
+one more engine call of this worker, whatever the number of parts and of such peers.
 Status files are read only when a call has several parts pending, and only until enough idle
 peers are found to bring the share down to one part.
 
@@ -46,6 +48,7 @@ class Scheduler:
         self.spool = spool
         self.limits = limits or Limits()
         self._peeked: dict[tuple[str, float, int], Request | None] = {}
+        self._shared: set[str] = set()  # calls this worker served a share of that still have parts pending
 
     def pick(
         self,
@@ -58,10 +61,12 @@ class Scheduler:
         """Entries to claim now, from `entries` (oldest first, as Spool.pending returns).
         `worker_id`: the picking worker, whose own status file does not count as an idle peer."""
         if not entries:
+            self._shared.clear()
             return []
         now = time.time() if now is None else now
         peeked = [(entry, self._peek(entry)) for entry in entries]
         self._peeked = {(e.name, e.mtime, e.size): r for e, r in peeked}  # forget entries gone
+        self._shared &= {r.call_id for _, r in peeked if r is not None}  # and calls with no part pending
         answer_now = [e for e, r in peeked if r is None or (r.deadline is not None and r.deadline < now)]
         if answer_now:
             return answer_now[: self.limits.max_requests]
@@ -86,16 +91,23 @@ class Scheduler:
             taken[request.call_id] += 1
         return batch
 
+    def served(self, call_ids) -> None:
+        """Record the calls whose parts this worker claimed and serves now: parts of them still
+        pending at a later pick are all its (not a claim lost to a faster peer, which leaves the
+        share rule as it was)."""
+        self._shared.update(call for call in call_ids if call is not None)
+
     def _shares(self, requests: list[Request], worker_id: str | None) -> Counter[str]:
         """How many pending parts of each call this worker takes now: its share of them among
-        itself and the idle peers, rounded up (at least one, so the call always moves on)."""
+        itself and the idle peers, rounded up (at least one, so the call always moves on); all
+        of them for a call it took a share of before."""
         parts = Counter(request.call_id for request in requests if request.call_id is not None)
-        most = max(parts.values(), default=0)
+        most = max((n for call, n in parts.items() if call not in self._shared), default=0)
         if most < 2:
             return parts
         # More idle peers than a call's parts minus one cannot make a share smaller than one part.
         idle = len(self.spool.idle_peers(worker_id, enough=most - 1))
-        return Counter({call: -(-n // (idle + 1)) for call, n in parts.items()})
+        return Counter({call: n if call in self._shared else -(-n // (idle + 1)) for call, n in parts.items()})
 
     def _peek(self, entry: Entry) -> Request | None:
         """The request an entry holds, or None when it cannot be accepted as it is."""

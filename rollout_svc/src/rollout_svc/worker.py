@@ -317,6 +317,7 @@ class Worker:
                 continue
             if job is not None:
                 jobs.append(job)
+        self.scheduler.served(job.request.call_id for job in jobs)
         groups: dict[tuple, list[_Job]] = {}
         for job in jobs:
             groups.setdefault(weights_key(job.request), []).append(job)
@@ -402,6 +403,7 @@ class Worker:
             self._in_engine = True
             if self._stopping:  # a stop arrived just before this engine call: the grace applies here too
                 self._start_grace()
+            self.heartbeat.count(engine_calls=1)
             completions = self.engine.generate([job.request for job in group])
         except Exception as exc:
             if len(group) == 1:
