@@ -69,6 +69,33 @@ def poll(probe, until, timeout_s: float = 30.0, interval_s: float = 0.2):
         time.sleep(interval_s)
 
 
+def engine_process(worker_pid: int) -> int:
+    """The worker's child that holds its vLLM engine (`python -m rollout_svc.engines.vllm_host`)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = int(proc.joinpath("stat").read_text().rpartition(")")[2].split()[1])
+            cmdline = proc.joinpath("cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue  # not a process, or one that just exited
+        if parent == worker_pid and b"rollout_svc.engines.vllm_host" in cmdline:
+            return int(proc.name)
+    raise AssertionError(f"worker {worker_pid} has no engine process")
+
+
+def hanging_call(spool: Spool, frozen_at: float, settle_s: float = 5.0) -> None:
+    """Wait until the worker is inside a call that the frozen engine cannot answer: a request
+    claimed after the freeze, or one claimed before it that is still unanswered `settle_s` later.
+    A call whose answer left the engine just before the freeze ends with a result and does not
+    count (killing the engine then would fail nothing)."""
+    before = set(os.listdir(spool.claimed))
+
+    def hanging(claims: set[str]) -> bool:
+        return bool(claims - before) or bool(claims & before and time.monotonic() - frozen_at > settle_s)
+
+    claims = poll(lambda: set(os.listdir(spool.claimed)), hanging, timeout_s=300)
+    assert hanging(claims), "the worker claimed nothing while its engine was frozen"
+
+
 def stop_worker(proc: subprocess.Popen, timeout_s: float = 90.0) -> int:
     """SIGTERM, as systemd does; SIGKILL the whole session if it does not exit in time."""
     if proc.poll() is None:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import poll
+from conftest import engine_process, hanging_call, poll
 from run_config import ROLLOUT_VENV, SMALL_STEPS, write_run_config
 
 from protocol import exit_codes
@@ -34,36 +34,9 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def engine_process(worker_pid: int) -> int:
-    """The worker's child that holds its vLLM engine (`python -m rollout_svc.engines.vllm_host`)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            parent = int(proc.joinpath("stat").read_text().rpartition(")")[2].split()[1])
-            cmdline = proc.joinpath("cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue  # not a process, or one that just exited
-        if parent == worker_pid and b"rollout_svc.engines.vllm_host" in cmdline:
-            return int(proc.name)
-    raise AssertionError(f"worker {worker_pid} has no engine process")
-
-
 def metrics_rows(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def hanging_call(spool: Spool, frozen_at: float, settle_s: float = 5.0) -> None:
-    """Wait until the worker is inside a call that the frozen engine cannot answer: a request
-    claimed after the freeze, or one claimed before it that is still unanswered `settle_s` later.
-    A call whose answer left the engine just before the freeze ends with a result and does not
-    count (killing the engine then would fail nothing)."""
-    before = set(os.listdir(spool.claimed))
-
-    def hanging(claims: set[str]) -> bool:
-        return bool(claims - before) or bool(claims & before and time.monotonic() - frozen_at > settle_s)
-
-    claims = poll(lambda: set(os.listdir(spool.claimed)), hanging, timeout_s=300)
-    assert hanging(claims), "the worker claimed nothing while its engine was frozen"
 
 
 def test_an_engine_killed_mid_call_costs_one_resend_and_the_run_finishes(model, tmp_path):

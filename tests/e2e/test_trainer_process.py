@@ -1,7 +1,7 @@
 """`trainer-svc train` as a process, the way a user stops it: SIGTERM (systemd, a scheduler) or
 Ctrl-C (SIGINT to its whole process group) mid-run stops it at a step boundary with a
 checkpoint and exit 75; the relaunch resumes and finishes, and its per-step metrics equal an
-uninterrupted run's, also with the demo's settings (generating ahead, spare prompts, the tis
+uninterrupted run's (so do those of a run whose worker's engine is killed mid-call), also with the demo's settings (generating ahead, spare prompts, the tis
 correction, a spawned vLLM worker) and with a stop between two publishes (publish.every = 2).
 A disk that fills while it publishes weights, saves a checkpoint or appends a metrics row stops
 it with exit 74 and a message naming the file, leaving nothing half written (a file-size limit,
@@ -24,11 +24,12 @@ import os
 import resource
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import keep_running, poll
+from conftest import engine_process, hanging_call, keep_running, poll
 from run_config import ROLLOUT_VENV, SMALL_STEPS, merge, write_run_config
 from small_fs import small_tmpfs
 
@@ -153,6 +154,37 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_relaunch_repeats_the
     assert finished.wait(timeout=600) == exit_codes.OK, log_tail(finished)
     assert step_rows(run_dir) == setting["expected"]
     assert json.loads((run_dir / "stage_result.json").read_text())["finished"]
+
+
+def test_an_engine_killed_mid_call_is_sent_again_and_the_run_trains_as_without_it(setting):
+    """The shared vLLM worker's engine process is frozen, then killed, in the middle of a call of
+    the run: the worker answers engine_error and builds a new engine, the trainer sends the
+    request again under a fresh id, and every step's metrics equal those of the same run with no
+    fault. One publish, at the end: the call that hangs is a generation, not a weight change (a
+    reload that fails builds a new engine for the same call, with no error to resend)."""
+    base, spool = setting["base"], setting["spool"]
+    keep_running(setting["worker"])
+    one_publish = {"publish": {"every": STEPS}, "rollout": {"max_policy_lag": STEPS}}
+    expected = straight_rows(setting, "no-fault-straight", **one_publish)
+    run_dir = base / "engine-killed"
+    config = write_config(base / "engine-killed.toml", run_dir, setting["model"], spool.root, **one_publish)
+    proc = launch(config)
+    try:
+        seen = poll(lambda: len(step_rows(run_dir)), lambda n: n >= 1 or proc.poll() is not None, 600, 0.005)
+        assert proc.poll() is None and seen >= 1, log_tail(proc)
+        engine = engine_process(setting["worker"].proc.pid)
+        os.kill(engine, signal.SIGSTOP)  # the worker's next engine call hangs in it...
+        hanging_call(spool, time.monotonic())
+        os.kill(engine, signal.SIGKILL)  # ...and the engine dies under it
+        assert proc.wait(timeout=700) == exit_codes.OK, log_tail(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ours = {p.name: msgspec.json.decode(p.read_bytes()) for p in spool.done.glob("engine-killed-*.result.json")}
+    failed = [r for r in ours.values() if not r["ok"]]
+    assert [r["error"]["code"] for r in failed] == ["engine_error"], failed
+    assert ours[f"{failed[0]['request_id']}-r1.result.json"]["ok"]
+    assert step_rows(run_dir) == expected
 
 
 def test_a_full_disk_while_publishing_weights_exits_74_and_keeps_nothing_half_written(setting):

@@ -1,7 +1,8 @@
 """`trainer-svc train --smoke` never touches another run's files, from the user's side: a run
 trains with an explicit `publish.dir` through a shared spool (`rollout.spawn = false`: the
 workers serving it; here spool_server.SpoolServer, the deterministic test sampler), then a smoke
-run of the same config. The run's published weights and checkpoints are byte for byte what they
+run of the same config. The run's published weights and every file of its run directory
+(checkpoints, metrics.jsonl, stage_result.json, the banner and plot) are byte for byte what they
 were; the smoke run wrote into directories of its own, which it printed."""
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ def test_a_smoke_run_leaves_the_runs_published_weights_and_checkpoints_as_they_w
     try:
         trained = subprocess.run([TRAINER, "train", str(config_file)], capture_output=True, text=True, timeout=300)
         assert trained.returncode == exit_codes.OK, trained.stderr[-3000:]
-        published, checkpoints = snapshot(publish_dir), snapshot(tmp_path / "run" / "checkpoints")
+        published, run_files = snapshot(publish_dir), snapshot(tmp_path / "run")
         assert {p.split("/")[0] for p in published} == {f"step_{s:08d}" for s in (2, 3, 4)}
-        assert {p.split("/")[0] for p in checkpoints} == {"step_00000003", "step_00000004"}
+        checkpoints = {p.split("/")[1] for p in run_files if p.startswith("checkpoints/")}
+        assert checkpoints == {"step_00000003", "step_00000004"}
+        assert {"metrics.jsonl", "stage_result.json"} <= set(run_files)
 
         smoke = subprocess.run(
             [TRAINER, "train", str(config_file), "--smoke"], capture_output=True, text=True, timeout=300
@@ -53,7 +56,10 @@ def test_a_smoke_run_leaves_the_runs_published_weights_and_checkpoints_as_they_w
         server.stop()
     assert smoke.returncode == exit_codes.OK, smoke.stderr[-3000:]
     assert snapshot(publish_dir) == published
-    assert snapshot(tmp_path / "run" / "checkpoints") == checkpoints
+    # Every file of the run as it was: checkpoints, metrics.jsonl, stage_result.json, the banner...
+    after = snapshot(tmp_path / "run")
+    assert sorted(after) == sorted(run_files)
+    assert [name for name in run_files if after[name] != run_files[name]] == []
     # Its own directories, printed: the run's name with -smoke; the spool is the workers'.
     own_run, own_published = tmp_path / "run-smoke", tmp_path / "published-smoke"
     assert f"run directory {own_run}, published weights {own_published}, spool {spool_dir}" in smoke.stdout

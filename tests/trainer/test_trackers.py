@@ -207,6 +207,67 @@ def test_missing_and_unreachable_backends_warn_once_and_the_run_is_the_same(tiny
     assert [step for step, _ in tensorboard_scalars(tracked.run_dir)["loss"]] == [1, 2, 3]  # the others went on
 
 
+class SilentServer:
+    """An HTTP port that accepts connections and never answers: a tracking server that hangs."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)  # held open, never read, never answered
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_real_backend_whose_server_hangs_never_holds_the_loop_and_the_end_waits_close_timeout_s(
+    tiny_model, tmp_path, caplog
+):
+    """MLflow's own client against a server that accepts and never answers: its calls block (for
+    minutes, with its retries). The run takes its steps as without it, and its end waits for the
+    backend no longer than log.close_timeout_s, then says what it left unsent."""
+    plain = make_config(tmp_path / "plain", tiny_model, train={"steps": 3}, log={"tensorboard": False})
+    assert run(plain) == exit_codes.OK
+    server = SilentServer()
+    try:
+        hung = make_config(
+            tmp_path / "hung",
+            tiny_model,
+            train={"steps": 3},
+            log={
+                "tensorboard": False,
+                "mlflow": True,
+                "mlflow_tracking_uri": f"http://127.0.0.1:{server.port}",
+                "close_timeout_s": 2,
+            },
+        )
+        with caplog.at_level(logging.WARNING, logger="trainer_svc.run.trackers"):
+            assert run(hung) == exit_codes.OK
+        assert server.accepted, "MLflow never called the server: nothing was blocked"
+    finally:
+        server.close()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer_svc.run.trackers"]
+    assert any("MLflow did not finish sending within log.close_timeout_s" in w for w in warnings), warnings
+
+    def without_timings(run_dir):
+        return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in metrics(run_dir)]
+
+    assert without_timings(hung.run_dir) == without_timings(plain.run_dir)
+
+
 class Raising(Backend):
     name, extra, key = "Raising", "raising", "log.raising"
 
