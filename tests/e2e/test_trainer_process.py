@@ -1,8 +1,9 @@
 """`trainer-svc train` as a process, the way a user stops it: SIGTERM (systemd, a scheduler) or
 Ctrl-C (SIGINT to its whole process group) mid-run stops it at a step boundary with a
 checkpoint and exit 75; the relaunch resumes and finishes, and its per-step metrics equal an
-uninterrupted run's (so do those of a run whose worker's engine is killed mid-call), also with the demo's settings (generating ahead, spare prompts, the tis
+uninterrupted run's, also with the demo's settings (generating ahead, spare prompts, the tis
 correction, a spawned vLLM worker) and with a stop between two publishes (publish.every = 2).
+A run whose worker's engine is killed in the middle of a call trains as one with no fault.
 A disk that fills while it publishes weights, saves a checkpoint or appends a metrics row stops
 it with exit 74 and a message naming the file, leaving nothing half written (a file-size limit,
 and a really full tmpfs mounted by the test); once there is room the relaunch resumes from the
