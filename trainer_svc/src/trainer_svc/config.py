@@ -144,9 +144,21 @@ class TrainConfig(Struct):
     updates_per_batch: Positive = 1
 
 
+# (clip_low, clip_high) of each policy loss when the config leaves them out: DAPO's clip-higher
+# for the token ratio; the GSPO paper's for the sequence ratio; for CISPO no lower bound (as
+# MiniMax-M1) and the token clip's upper one.
+POLICY_CLIPS = {"clip": (0.2, 0.28), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+
+
 class LossConfig(Struct):
-    clip_low: Fraction = 0.2  # ratio clipped below 1 - clip_low
-    clip_high: NonNegativeFloat = 0.28  # and above 1 + clip_high (clip-higher)
+    # The policy loss (trainer_svc.learning.policy_losses says which to pick when): clip (PPO's
+    # clip on each token's ratio), gspo (one length-normalised ratio per sequence), cispo (each
+    # token's ratio truncated and detached, a weight on its policy gradient).
+    policy: Literal["clip", "gspo", "cispo"] = "clip"
+    # The ratio is clipped below 1 - clip_low and above 1 + clip_high; left out, the policy's
+    # own: 0.2 and 0.28 (clip), 3e-4 and 4e-4 (gspo), 1 (no lower bound) and 0.28 (cispo).
+    clip_low: Fraction | None = None
+    clip_high: NonNegativeFloat | None = None
     denominator: Literal["token", "sequence", "constant"] = "token"
     advantage_norm: Literal["std", "mean"] = "std"
     kl_coef: NonNegativeFloat = 0.0  # k3 KL to the starting model; 0 keeps no reference model
@@ -163,6 +175,9 @@ class LossConfig(Struct):
     correction_high: PositiveFloat = 5.0
 
     def __post_init__(self) -> None:
+        low, high = POLICY_CLIPS[self.policy]
+        self.clip_low = low if self.clip_low is None else self.clip_low
+        self.clip_high = high if self.clip_high is None else self.clip_high
         if not self.correction_low < 1 < self.correction_high:
             raise ValueError(
                 f"loss.correction_low = {self.correction_low} and loss.correction_high = {self.correction_high} must "

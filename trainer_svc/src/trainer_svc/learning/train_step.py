@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..distributed import Distributed
 from ..rollout_types import Group
-from . import corrections, grpo
+from . import corrections, grpo, policy_losses
 from .batch import Batch, collate, micro_batches, rank_share
 from .model import compile_enabled
 
@@ -161,7 +161,9 @@ def _micro_batch_loss(
         low=loss_cfg.correction_low,
         high=loss_cfg.correction_high,
     )
-    loss, stats = grpo.clipped_policy_loss(logp, old, mb.advantages, weights * c, loss_cfg.clip_low, loss_cfg.clip_high)
+    loss, stats = policy_losses.policy_loss(
+        loss_cfg.policy, logp, old, mb.advantages, weights * c, loss_cfg.clip_low, loss_cfg.clip_high
+    )
     if ref is not None:
         kl = grpo.kl_penalty(logp, ref, weights, 1.0)
         loss = loss + loss_cfg.kl_coef * kl

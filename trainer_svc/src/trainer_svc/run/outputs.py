@@ -164,6 +164,7 @@ def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_fig
             "G": cfg.rollout.samples_per_prompt,
             "max_response_len": cfg.rollout.max_tokens,
             "loss_denominator": cfg.loss.denominator,
+            "policy_loss": f"{cfg.loss.policy} (clip {cfg.loss.clip_low}, {cfg.loss.clip_high})",
             "optimizer_steps": cfg.train.steps,
             "grad_accum": cfg.train.grad_accum,
             "ahead": cfg.rollout.ahead,
