@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from trainer_svc.learning.batch import Batch, collate, micro_batches, rank_share
+from trainer_svc.learning.batch import (
+    Batch,
+    budget_count,
+    collate,
+    micro_batches,
+    padded_tokens,
+    rank_share,
+    token_budget_split,
+)
 from trainer_svc.rollout_types import Group, Sample
 
 torch.set_num_threads(1)
@@ -191,3 +201,38 @@ def test_select_and_to_keep_every_field():
     assert torch.equal(part.input_ids, batch.input_ids[1:3])
     assert torch.equal(part.mask, batch.mask[1:3]) and torch.equal(part.advantages, batch.advantages[1:3])
     assert torch.equal(part.rollout_logprobs, batch.rollout_logprobs[1:3])
+
+
+def ragged_batch(lengths: list[int]) -> Batch:
+    """Sequences of the given lengths (prompt of 1 token, the rest generated), shortest first."""
+    groups = [Group([1], [sample([2] * (n - 1), [-0.5] * (n - 1))]) for n in sorted(lengths)]
+    return collate(groups, torch.zeros(len(lengths), 1), PAD)
+
+
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=24),
+    budget=st.integers(2, 200),
+    extra=st.integers(0, 5),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_token_budget_split_keeps_every_sequence_once_within_the_budget(lengths, budget, extra):
+    batch = ragged_batch(lengths)
+    needed = budget_count(batch, budget)
+    count = min(needed + extra, len(batch))
+    if count < needed:
+        return  # more than one sequence per micro-batch would be needed than there are sequences
+    micro = token_budget_split(batch, budget, count)
+    assert len(micro) == count
+    assert sorted(int(n) for mb in micro for n in mb.attention_mask.sum(dim=1)) == sorted(lengths)
+    for mb in micro:
+        assert padded_tokens(mb) <= budget or len(mb) == 1  # a sequence past the budget goes alone
+        assert mb.input_ids.shape[1] == int(mb.attention_mask.sum(dim=1).max())  # trimmed
+
+
+def test_a_token_budget_packs_short_sequences_together_and_long_ones_apart():
+    batch = ragged_batch([4, 4, 4, 4, 16, 16])
+    assert budget_count(batch, 32) == 2  # four of 4 tokens (16 padded), then two of 16 (32)
+    short, long = token_budget_split(batch, 32, 2)
+    assert (len(short), len(long)) == (4, 2)
+    assert budget_count(batch, 16) == 3 and budget_count(batch, None) == 1
+    assert [len(mb) for mb in token_budget_split(batch, 32, 4)] == [2, 2, 1, 1]  # split further: halves

@@ -27,9 +27,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("denominator", ["token", "sequence"])
-def test_two_fsdp_ranks_match_one_process(warm_model, tmp_path, denominator):
-    shape = dict(train={"steps": 3, "grad_accum": 2}, loss={"denominator": denominator})
+@pytest.mark.parametrize(("denominator", "budget"), [("token", None), ("sequence", None), ("token", 20)])
+def test_two_fsdp_ranks_match_one_process(warm_model, tmp_path, denominator, budget):
+    """With a token budget each rank's share needs its own number of micro-batches: the ranks
+    take the largest (an FSDP2 pass is a collective), and still train as one process."""
+    train_cfg = {"steps": 3, "grad_accum": 2} | ({"max_tokens_per_micro_batch": budget} if budget else {})
+    shape = dict(train=train_cfg, loss={"denominator": denominator})
     single = make_config(tmp_path / "single", warm_model, **shape)
     assert train(single, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)) == exit_codes.OK
 
@@ -45,6 +48,8 @@ def test_two_fsdp_ranks_match_one_process(warm_model, tmp_path, denominator):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     one, two = metrics(single.run_dir), metrics(sharded.run_dir)
+    if budget:
+        assert all(r["micro_batches"] > 2 for r in two), [r["micro_batches"] for r in two]
     # only rank 0 tracks: one TensorBoard event file, as one process writes
     assert len(list((sharded.run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
     assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]

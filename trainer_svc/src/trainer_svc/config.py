@@ -137,7 +137,11 @@ class TrainConfig(Struct):
     betas: tuple[Fraction, Fraction] = (0.9, 0.99)
     weight_decay: NonNegativeFloat = 0.0
     max_grad_norm: PositiveFloat = 1.0
-    grad_accum: Positive = 1  # micro-batches per optimizer step (per rank)
+    grad_accum: Positive = 1  # micro-batches per optimizer step (per rank), at least
+    # Padded tokens (sequences x the longest of them) per micro-batch, at most: a step's sequences,
+    # sorted by length, are cut into as many micro-batches as that takes (and at least grad_accum).
+    # None: no limit beyond grad_accum. The loss does not change with the split.
+    max_tokens_per_micro_batch: Positive | None = None
     # Optimizer steps per batch of rollouts (PPO-style minibatches): the step's sequences are
     # split into this many parts, one update each, so later parts see a policy that moved and
     # the clipped ratio acts. 1: one update, whose ratio is exactly 1.
@@ -533,7 +537,12 @@ def _check_apart(config: Config, smoke: Config) -> None:
 
 
 def dump(config: Config) -> bytes:
-    """TOML of the resolved config; sections that are not set (None) are left out, as TOML
-    has no null."""
-    data = msgspec.to_builtins(config)
-    return msgspec.toml.encode({k: v for k, v in data.items() if v is not None})
+    """TOML of the resolved config; sections and keys that are not set (None) are left out, as
+    TOML has no null (loaded again, they are None: their default)."""
+
+    def unset_left_out(value):
+        if isinstance(value, dict):
+            return {k: unset_left_out(v) for k, v in value.items() if v is not None}
+        return value
+
+    return msgspec.toml.encode(unset_left_out(msgspec.to_builtins(config)))

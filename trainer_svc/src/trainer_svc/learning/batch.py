@@ -1,5 +1,10 @@
 """From rollout groups to padded tensors, and the split of one step into ranks and micro-batches.
 
+Micro-batches are cut by a token budget, not by a count: a micro-batch's memory grows with its
+padded tokens (sequences x the longest of them), so with sequences sorted by length a budget
+packs many short sequences together and puts long ones in smaller groups. The step's loss does
+not change with the split (its denominators are the whole step's: grpo.token_weights).
+
 Sequence i is prompt_i + completion_i, right-padded. `completion_mask[i, t]` marks the
 positions whose *token* was generated; the logits predicting token t sit at position t - 1,
 so `targets` are the inputs shifted left by one and masks are shifted the same way.
@@ -95,3 +100,52 @@ def rank_share(batch: Batch, rank: int, world_size: int) -> Batch:
 def micro_batches(batch: Batch, count: int) -> list[Batch]:
     size = -(-len(batch) // count)
     return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+
+def padded_tokens(batch: Batch) -> int:
+    """What a micro-batch costs the model's forward: its sequences x the longest of them."""
+    return len(batch) * int(batch.attention_mask.sum(dim=1).max()) if len(batch) else 0
+
+
+def budget_count(batch: Batch, budget: int | None) -> int:
+    """How many micro-batches `batch` (sorted by length, shortest first) needs so that each holds at
+    most `budget` padded tokens; a sequence longer than the budget alone makes one. None: 1."""
+    if budget is None or not len(batch):
+        return 1
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    count, held = 1, 0
+    for length in lengths:  # ascending: the newest sequence is the longest of its micro-batch
+        if held and (held + 1) * length > budget:
+            count, held = count + 1, 0
+        held += 1
+    return count
+
+
+def token_budget_split(batch: Batch, budget: int | None, count: int) -> list[Batch]:
+    """Exactly `count` micro-batches of `batch` (sorted by length, shortest first), each within
+    `budget` padded tokens where `count` >= budget_count(batch, budget) (ranks under FSDP agree on
+    the largest count, so some split further than their own sequences need). Contiguous runs of
+    the sorted sequences, each trimmed of the padding none of its sequences reaches."""
+    if count > len(batch):
+        raise ValueError(f"{len(batch)} sequences cannot make {count} micro-batches")
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    cuts, held = [0], 0  # start of each micro-batch
+    for i, length in enumerate(lengths):
+        if budget is not None and held and (held + 1) * length > budget:
+            cuts.append(i)
+            held = 0
+        held += 1
+    spans = [[a, b] for a, b in zip(cuts, [*cuts[1:], len(batch)], strict=True)]
+
+    def cost(span: list[int]) -> tuple[int, int]:  # padded tokens (the last is the longest), sequences
+        a, b = span
+        return ((b - a) * lengths[b - 1] if b - a > 1 else 0, b - a)
+
+    while len(spans) < count:  # halve the costliest micro-batch: the peak only goes down
+        widest = max(range(len(spans)), key=lambda k: cost(spans[k]))
+        a, b = spans[widest]
+        middle = (a + b) // 2
+        spans[widest : widest + 1] = [[a, middle], [middle, b]]
+    if len(spans) > count:
+        raise ValueError(f"the budget of {budget} tokens needs {len(spans)} micro-batches, not {count}")
+    return [batch.select(slice(a, b)).trimmed() for a, b in spans]

@@ -26,7 +26,7 @@ from ..config import Config
 from ..distributed import Distributed
 from ..rollout_types import Group
 from . import corrections, grpo, policy_losses
-from .batch import Batch, collate, micro_batches, rank_share
+from .batch import Batch, budget_count, collate, micro_batches, rank_share, token_budget_split
 from .model import compile_enabled
 
 # What a step that generated no tokens reports: there is no loss to take.
@@ -43,6 +43,7 @@ _NOTHING_LEARNED = {
     "ratio_max": 0.0,
     "corrected_fraction": 0.0,
     "kl_engine": 0.0,
+    "micro_batches": 0,
 }
 
 
@@ -108,18 +109,33 @@ def learn(policy: Policy, groups: list[Group], advantages: torch.Tensor, cfg: Co
     return train_step(policy.model, policy.reference, policy.optimizer, policy.scheduler, updates, cfg, dist_info)
 
 
+def split_share(share: Batch, cfg: Config, dist_info: Distributed) -> list[Batch]:
+    """This rank's share of an update as micro-batches of at most train.max_tokens_per_micro_batch
+    padded tokens, at least train.grad_accum of them; ranks take the same number (an FSDP2
+    forward and backward are collectives), the largest any rank needs."""
+    ordered = share.by_length()
+    budget = cfg.train.max_tokens_per_micro_batch
+    count = min(max(cfg.train.grad_accum, budget_count(ordered, budget)), len(ordered))
+    if dist_info.world_size > 1:
+        agreed = torch.tensor([count], device=dist_info.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        count = int(agreed.item())
+    return token_budget_split(ordered, budget, count)
+
+
 def train_step(
     model, reference, optimizer, scheduler, updates: list[tuple[Batch, StepTotals]], cfg: Config, dist_info
 ) -> dict:
     """The step's updates, each on this rank's share of a part of the step with that part's
     totals; returns the step's statistics (sums over updates, micro-batches and ranks)."""
     model.train()
-    parts = [[mb.trimmed() for mb in micro_batches(share.by_length(), cfg.train.grad_accum)] for share, _ in updates]
+    parts = [split_share(share, cfg, dist_info) for share, _ in updates]
     compiled = compile_enabled(cfg.model.compile, dist_info.device)
     old = [old_logprobs(model, micro, cfg, compiled) for micro in parts] if len(parts) > 1 else None
     ref = [old_logprobs(reference, micro, cfg, compiled) for micro in parts] if reference is not None else None
     tally = _Tally()
     for u, ((_, totals), micro) in enumerate(zip(updates, parts, strict=True)):
+        tally.micro_batches += len(micro)
         for i, mb in enumerate(micro):
             old_mb = None if old is None else old[u][i]
             loss = _micro_batch_loss(
@@ -182,6 +198,7 @@ class _Tally:
         self.sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum"), 0.0)
         self.peaks = {"mismatch_max": 0.0, "ratio_max": 0.0}
         self.grad_norm = 0.0  # the same on every rank (clipping reduces over ranks): summed over updates only
+        self.micro_batches = 0  # this rank's forward and backward passes, the same on every rank
 
     def add(self, mb: Batch, loss, weights, entropy, stats: dict, old: torch.Tensor, gap: dict) -> None:
         sums, peaks = self.sums, self.peaks
@@ -221,6 +238,7 @@ class _Tally:
             "ratio_max": peaks["ratio_max"],
             "corrected_fraction": sums["changed_sum"] / tokens,
             "kl_engine": sums["k3_sum"] / tokens,
+            "micro_batches": self.micro_batches,  # of the step, all its updates (per rank)
         }
 
 

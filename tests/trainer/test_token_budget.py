@@ -1,0 +1,32 @@
+"""Micro-batches by a token budget (train.max_tokens_per_micro_batch), from a run's side: the same
+run split by a small budget takes many more micro-batches and trains as the run split by
+grad_accum alone, up to float rounding (the loss's denominators are the whole step's)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_config
+from local_sampler import TorchSampler
+
+from protocol import exit_codes
+from trainer_svc.run.loop import train
+
+COMPARED = ("loss", "grad_norm", "entropy", "reward_mean", "clip_fraction_high", "response_length")
+
+
+def rows(cfg) -> list[dict]:
+    assert train(cfg, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)) == exit_codes.OK
+    return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+@pytest.mark.timeout(300)
+def test_a_token_budget_splits_the_step_further_and_trains_as_without_it(warm_model, tmp_path):
+    shape = {"steps": 3, "grad_accum": 2, "updates_per_batch": 2}
+    plain = rows(make_config(tmp_path / "plain", warm_model, train=shape))
+    budgeted = rows(make_config(tmp_path / "budget", warm_model, train={**shape, "max_tokens_per_micro_batch": 24}))
+    assert all(row["micro_batches"] == 2 * 2 for row in plain)  # grad_accum per update, two updates
+    assert all(row["micro_batches"] > 2 * 2 for row in budgeted), [row["micro_batches"] for row in budgeted]
+    for a, b in zip(plain, budgeted, strict=True):
+        assert {k: b[k] for k in COMPARED} == pytest.approx({k: a[k] for k in COMPARED}, rel=1e-4, abs=1e-6)
