@@ -86,6 +86,7 @@ def train(
     from .rails.gates import GateRefused, check_config
     from .rollout_types import RolloutFailed, RolloutUnavailable
     from .run.loop import train as run_training
+    from .run.out_of_memory import OutOfDeviceMemory
 
     try:
         check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the cheapest gate, before torch loads
@@ -98,6 +99,8 @@ def train(
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
     except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help
         raise _fail(exit_codes.USAGE, str(exc)) from None
+    except OutOfDeviceMemory as exc:
+        raise _fail(exit_codes.OUT_OF_MEMORY, str(exc)) from None
     except OSError as exc:
         from .weights.checkpoint import CheckpointWriteFailed
 

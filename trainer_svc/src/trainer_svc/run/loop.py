@@ -22,12 +22,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict
 
+import torch
+
 from protocol import exit_codes
 
 from ..config import Config
 from ..learning.train_step import learn
 from ..rollout.sampling import summarize
 from ..weights import checkpoint as ckpt
+from .out_of_memory import OutOfDeviceMemory
 from .setup import MakeSampler, Run, setup
 
 log = logging.getLogger(__name__)
@@ -53,32 +56,46 @@ def steps(run: Run) -> int:
         return exit_codes.TRIPWIRE
     run.canary.maybe_run(state.step, run.weights)  # the starting point, or one a stop left undone
     while state.step < cfg.train.steps:
-        timer = StepTimer("rollout", "train", "publish", "save")
-        with timer.phase("rollout"):
-            rollouts = run.sample(state.step, run.weights)
-        with timer.phase("train"):
-            stats = learn(run.policy, rollouts.groups, rollouts.advantages, cfg, run.dist_info)
-        state.step += 1
-        if run.sync.due(state.step):
-            with timer.phase("publish"):
-                run.weights = run.sync.publish(run.policy.model, state.step)
-        row = {"step": state.step, **summarize(rollouts), **stats}
-        tripped = run.tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"])
-        stopping, tripping = run.stop.agreed(run.dist_info, tripped is not None)
-        row.update(run.canary.maybe_run(state.step, run.weights))
-        if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping or tripping:
-            with timer.phase("save"):
-                pin_reason = (run.tripwire.reason or "collapse tripwire") if tripping else None
-                save(run, {**row, **timer.seconds()}, pin_reason)
-        run.out.step({**row, **timer.seconds()})
-        if tripping:
-            log.error("collapse tripwire: %s; checkpoint %s pinned", run.tripwire.reason, run.latest.path)
-            return exit_codes.TRIPWIRE
-        if stopping and state.step < cfg.train.steps:
-            why = "wall-clock limit" if run.stop.wall_exceeded else "signal"
-            log.warning("stopping at step %d (%s); relaunch to resume", state.step, why)
-            return exit_codes.RESUMABLE_STOP
+        timer, taking = StepTimer("rollout", "train", "publish", "save"), state.step + 1
+        try:
+            code = one_step(run, timer)
+        except torch.OutOfMemoryError as exc:
+            resume_from = run.latest.path.name if run.latest is not None else None
+            phase = timer.current or "canary or logging"
+            raise OutOfDeviceMemory(taking, phase, run.dist_info.device, resume_from, str(exc)) from None
+        if code is not None:
+            return code
     return exit_codes.OK
+
+
+def one_step(run: Run, timer: StepTimer) -> int | None:
+    """One optimizer step; the exit code when the run stops after it, else None."""
+    cfg, state = run.cfg, run.state
+    with timer.phase("rollout"):
+        rollouts = run.sample(state.step, run.weights)
+    with timer.phase("train"):
+        stats = learn(run.policy, rollouts.groups, rollouts.advantages, cfg, run.dist_info)
+    state.step += 1
+    if run.sync.due(state.step):
+        with timer.phase("publish"):
+            run.weights = run.sync.publish(run.policy.model, state.step)
+    row = {"step": state.step, **summarize(rollouts), **stats}
+    tripped = run.tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"])
+    stopping, tripping = run.stop.agreed(run.dist_info, tripped is not None)
+    row.update(run.canary.maybe_run(state.step, run.weights))
+    if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping or tripping:
+        with timer.phase("save"):
+            pin_reason = (run.tripwire.reason or "collapse tripwire") if tripping else None
+            save(run, {**row, **timer.seconds()}, pin_reason)
+    run.out.step({**row, **timer.seconds()})
+    if tripping:
+        log.error("collapse tripwire: %s; checkpoint %s pinned", run.tripwire.reason, run.latest.path)
+        return exit_codes.TRIPWIRE
+    if stopping and state.step < cfg.train.steps:
+        why = "wall-clock limit" if run.stop.wall_exceeded else "signal"
+        log.warning("stopping at step %d (%s); relaunch to resume", state.step, why)
+        return exit_codes.RESUMABLE_STOP
+    return None
 
 
 def save(run: Run, row: dict, pin_reason: str | None = None) -> None:
@@ -108,14 +125,14 @@ class StepTimer:
     def __init__(self, *phases: str):
         self.started = time.monotonic()
         self.spent = {phase: 0.0 for phase in phases}
+        self.current: str | None = None  # the phase under way (an error names it)
 
     @contextmanager
     def phase(self, name: str):
-        began = time.monotonic()
-        try:
-            yield
-        finally:
-            self.spent[name] += time.monotonic() - began
+        began, self.current = time.monotonic(), name
+        yield
+        self.spent[name] += time.monotonic() - began
+        self.current = None
 
     def seconds(self) -> dict[str, float]:
         return {**{f"{k}_s": v for k, v in self.spent.items()}, "step_s": time.monotonic() - self.started}
