@@ -171,6 +171,7 @@ def banner(cfg, stage: str, resumed_from: Path | None, n_problems: int, gate_fig
             "fan_out": cfg.rollout.fan_out or "one request per live worker",
         },
         "ceiling": gate_figures["ceiling"],
+        "memory": gate_figures.get("memory"),
         "topology": {
             **gate_figures["topology"],
             "rollout": "spawned worker" if cfg.rollout.spawn else f"workers on {cfg.spool_dir}",

@@ -38,6 +38,7 @@ from ..learning.rewards import Verifier
 from ..learning.train_step import Policy, make_optimizer, make_scheduler
 from ..rails import gates
 from ..rails.canary import Canary
+from ..rails.memory_gate import check_memory
 from ..rails.tripwire import CollapseTripwire
 from ..records import write_bytes_atomic
 from ..rollout.sampling import Sampler, StepSampler
@@ -180,6 +181,8 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         cfg.run_dir, policy.model, policy.optimizer, policy.scheduler, stream, tripwire, dist_info
     )
     gates.check_horizon(policy.scheduler.total_steps, cfg, state.horizon)
+    prompts = [p.prompt for p in train_problems + held_out]
+    gate_figures["memory"] = check_memory(cfg, dist_info, policy, tokenizer, prompts)
     sync = WeightSync(cfg, dist_info)
     banner = outputs.banner(cfg, stage, latest.path if latest else None, len(train_problems), gate_figures)
     banner["weight_sync"] = sync.describe()

@@ -1,0 +1,75 @@
+"""The memory gate on a GPU (trainer_svc.rails.memory_gate), with a model of SmolLM2-135M's shape
+(random weights: memory does not depend on them) in bf16: the budget it sets keeps a real
+micro-batch of that many tokens within the memory it found free, its line predicts that
+micro-batch's peak, and a process allowed too little memory is refused before its first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from trainer_svc.config import Config
+from trainer_svc.distributed import Distributed
+from trainer_svc.learning.model import load_policy
+from trainer_svc.learning.train_step import Policy, make_optimizer, make_scheduler
+from trainer_svc.rails.gates import GateRefused
+from trainer_svc.rails.memory_gate import _costs, check_memory, probe_peak
+
+SMOLLM2_135M = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory, models):
+    path = tmp_path_factory.mktemp("smollm2-shape")
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(models["a"]).save_pretrained(path)  # any tokenizer: prompts are counted only
+    return path
+
+
+def make(path, tmp_path, max_tokens: int):
+    import msgspec
+
+    cfg = msgspec.convert(
+        {"run": {"dir": str(tmp_path / "run")}, "model": {"path": str(path), "dtype": "bfloat16"},
+         "rollout": {"max_tokens": max_tokens}},
+        Config,
+    )  # fmt: skip
+    device = torch.device("cuda", 0)
+    dist_info = Distributed(rank=0, world_size=1, device=device)
+    model = load_policy(str(path), torch.bfloat16, dist_info)
+    optimizer = make_optimizer(model, cfg)
+    return cfg, dist_info, Policy(model, None, optimizer, make_scheduler(optimizer, cfg), 0)
+
+
+def test_the_budget_keeps_a_real_micro_batch_within_the_free_memory_and_the_line_predicts_it(shaped, tmp_path):
+    cfg, dist_info, policy = make(shaped, tmp_path, max_tokens=2048)
+    tokenizer = AutoTokenizer.from_pretrained(shaped)
+    figures = check_memory(cfg, dist_info, policy, tokenizer, ["What is 12 + 7? Think step by step."])
+    budget = cfg.train.max_tokens_per_micro_batch
+    assert budget == figures["max_tokens_per_micro_batch"] and budget >= figures["longest_sequence"]
+    length = 2048
+    sequences = max(budget // length, 1)
+    half, full = (probe_peak(policy, cfg, dist_info.device, n) for n in (length // 2, length))
+    costs = _costs(policy, dist_info.device, length, half, full, None)
+    measured = probe_peak(policy, cfg, dist_info.device, length, sequences)
+    predicted = costs.fixed + costs.per_token * length * sequences
+    assert measured + costs.optimizer <= costs.available, (measured, costs)
+    assert 0.75 <= measured / predicted <= 1.25, (measured, predicted, sequences)
+
+
+def test_a_process_allowed_too_little_memory_is_refused_before_its_first_step(shaped, tmp_path):
+    cfg, dist_info, policy = make(shaped, tmp_path, max_tokens=8000)
+    tokenizer = AutoTokenizer.from_pretrained(shaped)
+    allocated = torch.cuda.memory_allocated(dist_info.device)
+    total = torch.cuda.get_device_properties(dist_info.device).total_memory
+    torch.cuda.set_per_process_memory_fraction((allocated + 2**30) / total, dist_info.device)  # 1 GiB more
+    try:
+        with pytest.raises(GateRefused, match="launch gate 'memory'") as refused:
+            check_memory(cfg, dist_info, policy, tokenizer, ["What is 12 + 7?"])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dist_info.device)
+    assert "rollout.max_tokens = 8000" in str(refused.value)
