@@ -1,5 +1,5 @@
 """The trainer's log-probabilities of a micro-batch (train_step.sequence_logprobs): logits only
-at the columns some sequence generated, and the compiled path (model.compile = "on"), each equal
+at the positions whose token was generated, chunk by chunk, and the compiled path (model.compile = "on"), each equal
 to the plain full forward of the model, in value and in gradient.
 
 Equal within float32 rounding, bounded as follows. Both paths compute the same sums in other
@@ -80,21 +80,26 @@ def policy(tiny_model):
     return load_policy(str(tiny_model), torch.float32, Distributed(0, 1, torch.device("cpu")))
 
 
-def test_logits_are_taken_only_where_a_sequence_generated(policy):
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_logits_are_taken_only_where_a_sequence_generated(policy, chunk):
+    """The output projection sees the generated positions alone, a chunk of rows at a time (None:
+    the default chunk, here all of them at once), and the result equals the full forward's."""
     batch = ragged_batch()
     seen = []
-    hook = policy.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+    hook = policy.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
     try:
-        logp, entropy = sequence_logprobs(policy, batch, TEMPERATURE)
+        logp, entropy = sequence_logprobs(policy, batch, TEMPERATURE, chunk=chunk)
     finally:
         hook.remove()
-    generated_columns = int(batch.mask.any(dim=0).sum())
-    assert seen == [generated_columns] and generated_columns < batch.targets.shape[1]
+    generated = int(batch.mask.sum())
+    vocab = policy.config.vocab_size
+    assert sum(rows for rows, _ in seen) == generated and all(width == vocab for _, width in seen)
+    assert max(rows for rows, _ in seen) == min(chunk or generated, generated)
     reference = full_forward_logprobs(policy, batch)
     on = batch.mask.bool()
     bound = rounding_bound(policy, batch)
     assert_logprobs_within(logp[on], reference[on], bound)
-    assert (logp[~batch.mask.any(dim=0).expand_as(on)] == 0).all() and (entropy >= 0).all()
+    assert (logp[~on] == 0).all() and (entropy[~on] == 0).all() and (entropy >= 0).all()
     for ours, theirs in zip(gradients_of(policy, logp, batch), gradients_of(policy, reference, batch), strict=True):
         assert_within(ours, theirs, bound)
 

@@ -67,7 +67,12 @@ class AdapterDisabled(torch.nn.Module):
         super().__init__()
         self._policy = (model,)  # a tuple: not registered as a submodule, so no parameters of its own
 
+    @property
+    def policy(self):
+        """The policy whose base this is (its output projection computes the reference's logits)."""
+        return self._policy[0]
+
     def forward(self, **inputs):
-        policy = self._policy[0]
+        policy = self.policy
         with policy.disable_adapter():
             return policy(**inputs)

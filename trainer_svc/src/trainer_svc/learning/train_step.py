@@ -16,7 +16,6 @@ gradient is the same however it is split (see grpo.token_weights and grpo.rank_s
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from ..rollout_types import Group
 from . import corrections, grpo, policy_losses
 from .batch import Batch, budget_count, collate, micro_batches, rank_share, token_budget_split
 from .model import compile_enabled
+from .token_logprobs import sequence_logprobs
 
 # What a step that generated no tokens reports: there is no loss to take.
 _NOTHING_LEARNED = {
@@ -64,30 +64,6 @@ class StepTotals:
 
     tokens: int
     sequences: int
-
-
-def sequence_logprobs(
-    model, batch: Batch, temperature: float, compiled: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`; 0 at the
-    positions no sequence of the batch generated.
-
-    Logits are computed only at the columns where some sequence has a generated token
-    (`logits_to_keep`): prompts and trailing padding never reach the output projection, nor the
-    float32 softmax over the vocabulary that follows it. The entropy is a statistic, computed
-    without a graph (grpo.logprobs_and_entropy)."""
-    columns = batch.mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions whose target is generated
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=columns).logits
-    math = _compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
-    logp, entropy = math(logits, batch.targets[:, columns], temperature)  # [N, K]
-    zeros = torch.zeros(batch.targets.shape, dtype=logp.dtype, device=logp.device)
-    return zeros.index_copy(1, columns, logp), zeros.index_copy(1, columns, entropy)
-
-
-@functools.cache
-def _compiled_logprob_math():
-    # One fused kernel per pass over [N, K, V] instead of one per elementwise op; K varies.
-    return torch.compile(grpo.logprobs_and_entropy, dynamic=True)
 
 
 @torch.no_grad()

@@ -1,0 +1,145 @@
+"""Log-probabilities and entropies of a micro-batch's generated tokens, without its logits.
+
+The logits are a step's largest tensor: sequences x positions x vocabulary (49,152 to 151,936
+entries a position), and the log-softmax needs them in float32. Taken whole, as the trainer did
+before, a micro-batch of 512 sequences x 128 generated positions at SmolLM2's vocabulary asked
+for 12 GiB for the float32 copy alone, and kept it until the backward pass. Here the model's own
+output projection is applied to chunks of the generated positions' hidden states, about
+CHUNK_BYTES of float32 logits at a time, and each chunk is checkpointed
+(torch.utils.checkpoint): the forward keeps only the chunk's hidden states, the backward
+recomputes the chunk's logits, takes their gradient and frees them before the next chunk's. The
+cost is one more product with the output projection per generated position.
+
+    hidden [N, L, H] --(columns some sequence generated)--> [N, K, H] --(generated)--> [M, H]
+    per chunk of rows: logits = head(rows) [C, V] -> grpo.logprobs_and_entropy -> [C], [C]
+
+Guarantees (tests/trainer/test_chunked_logprobs.py, test_sequence_logprobs.py):
+- the log-probabilities, entropies and gradients equal those of the whole logits through
+  grpo.logprobs_and_entropy within float32 rounding, for every chunk size;
+- no tensor of more than one chunk's rows x vocabulary is created, forward or backward, and none
+  of vocabulary width is kept for the backward pass: peak memory grows with the chunk, not with
+  sequences x length x vocabulary;
+- prompts and padding never reach the output projection.
+
+The head runs inside the model's forward (it stands in for the output projection for that one
+call), so FSDP2's hooks see an ordinary forward. Models whose logits are more than the head's
+output (Gemma's soft-capping, Cohere's or Granite's scaling) are not in FUSED_MODEL_TYPES: their
+logits come from the model, [N, K, V] in the model's dtype, and only the float32 math is chunked.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from . import grpo
+from .batch import Batch
+
+CHUNK_BYTES = 256 * 2**20  # float32 logits a chunk (the chunk's transient peak is about 4x this)
+# Architectures whose logits are exactly the output projection of the last hidden state.
+FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"})
+
+LogprobMath = Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Positions a chunk holds: as many as fit `chunk_bytes` of float32 logits, at least one."""
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+def chunked_logprobs(
+    rows: Tensor, project: Callable[[Tensor], Tensor], tokens: Tensor, temperature: float, chunk: int,
+    math: LogprobMath = grpo.logprobs_and_entropy,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(logp [M], entropy [M]) of `tokens` [M] under softmax(project(rows) / temperature),
+    `chunk` rows at a time; `project` maps rows [C, ...] to logits [C, V]. With gradients
+    enabled each chunk is checkpointed: its logits are recomputed in the backward pass instead
+    of kept. No rows still make one (empty) chunk, so the result stays in the graph."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 row, got {chunk}")
+
+    def one(part: Tensor, part_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        return math(project(part), part_tokens, temperature)
+
+    pieces = []
+    for start in range(0, max(rows.shape[0], 1), chunk):
+        part, part_tokens = rows[start : start + chunk], tokens[start : start + chunk]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(one, part, part_tokens, use_reentrant=False, preserve_rng_state=False))
+        else:
+            pieces.append(one(part, part_tokens))
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+
+
+def sequence_logprobs(
+    model, batch: Batch, temperature: float, compiled: bool = False, chunk: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`; 0 at the
+    positions whose token was not generated. `chunk`: rows a chunk (default: chunk_rows of the
+    vocabulary). The entropy is a statistic, computed without a graph. `compiled`: the float32
+    math through torch.compile (one fused kernel per pass over a chunk)."""
+    mask = batch.mask.bool()  # [N, L-1]
+    columns = mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions some sequence generated
+    chosen = mask[:, columns]  # [N, K]
+    tokens = batch.targets[:, columns][chosen]  # [M], in the row-major order of mask
+    math = compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
+    lm = causal_lm(model)
+    rows_per_chunk = chunk or chunk_rows(lm.config.vocab_size)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "logits_to_keep": columns}
+    if fusable(lm):
+        head = lm.get_output_embeddings()
+        lm.set_output_embeddings(_LogprobHead(head, chosen, tokens, temperature, rows_per_chunk, math))
+        try:
+            out = model(**inputs).logits  # [M, 2]: (logp, entropy) of each generated position
+        finally:
+            lm.set_output_embeddings(head)
+        logp, entropy = out[:, 0], out[:, 1]
+    else:
+        logits = model(**inputs).logits  # [N, K, V]
+        where = chosen.nonzero()  # [M, 2]: rows are (sequence, column) pairs, gathered chunk by chunk
+        logp, entropy = chunked_logprobs(
+            where, lambda idx: logits[idx[:, 0], idx[:, 1]], tokens, temperature, rows_per_chunk, math
+        )
+    zeros = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device)
+    return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)
+
+
+class _LogprobHead(torch.nn.Module):
+    """Stands in for a model's output projection during one forward: from the hidden states at
+    the kept columns [N, K, H], the (logp, entropy) of each generated position, [M, 2]."""
+
+    def __init__(self, head, chosen: Tensor, tokens: Tensor, temperature: float, chunk: int, math: LogprobMath):
+        super().__init__()
+        self.head = head
+        self.chosen, self.tokens, self.temperature, self.chunk, self.math = chosen, tokens, temperature, chunk, math
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        rows = hidden[self.chosen]  # [M, H]
+        logp, entropy = chunked_logprobs(rows, self.head, self.tokens, self.temperature, self.chunk, self.math)
+        return torch.stack([logp, entropy], dim=-1)
+
+
+def causal_lm(model):
+    """The HF causal LM that computes `model`'s logits: under a PEFT adapter, or under the
+    adapter-off view of it that serves as the KL reference, the base model."""
+    from .lora import base_of
+
+    return base_of(getattr(model, "policy", model))
+
+
+def fusable(lm) -> bool:
+    """Whether `lm`'s logits are its output projection of the last hidden state alone."""
+    kind = getattr(getattr(lm, "config", None), "model_type", None)
+    return kind in FUSED_MODEL_TYPES and lm.get_output_embeddings() is not None
+
+
+@functools.cache
+def compiled_logprob_math() -> LogprobMath:
+    # One fused kernel per pass over a chunk [C, V] instead of one per elementwise op; C varies.
+    return torch.compile(grpo.logprobs_and_entropy, dynamic=True)
