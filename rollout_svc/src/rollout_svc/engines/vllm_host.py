@@ -122,6 +122,7 @@ class LiveEngine:
             worker_extension_cls=EXTENSION,
             **compile_options(spec),
             **lora_options(spec),
+            **scheduler_options(spec),
         )
         self.post_process = needs_post_processing(spec.device, self.llm.llm_engine.model_config.quantization)
         if weights.slot is not None:
@@ -334,6 +335,23 @@ def compile_options(spec: EngineSpec) -> dict:
     if spec.compile or spec.enforce_eager or spec.device == "cpu":
         return {}
     return {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+def scheduler_options(spec: EngineSpec) -> dict:
+    """vLLM's scheduler settings for `spec`: on CPU a prompt's prefill is never cut over two steps.
+
+    With chunked prefill (vLLM's default) a step's token budget (max_num_batched_tokens, 4096 on
+    CPU) cuts the prefill of whatever does not fit: a seeded batch of 16 prompts x 8 samples x 47
+    tokens (6,016) was cut, and the model runner then rewinds the cut request's random generator
+    (`gen.set_offset(gen.get_offset() - 4)`, vLLM 0.32's gpu_model_runner), which a CPU generator
+    cannot do: "CPU Generator does not use offset", and the engine died. Without chunked prefill a
+    request waits for a step whose budget holds its whole prompt (vLLM raises the budget to at least
+    max_model_len, so every prompt fits one), its generator draws only for tokens it keeps, and a
+    seeded request samples what it would alone: results stay seeded and reproducible. The cost is
+    a prefill step's size (a prompt is never interleaved in pieces with decodes), which on a CPU,
+    where one long prompt already fills a step, changes little. GPU generators have offsets: there
+    vLLM's chunking stays."""
+    return {"enable_chunked_prefill": False} if spec.device == "cpu" else {}
 
 
 def lora_options(spec: EngineSpec) -> dict:
