@@ -193,7 +193,7 @@ class LiveEngine:
             _check_prompts(request, ids_per_prompt, max_len, vocab)
             spans.append((len(prompts), len(ids_per_prompt)))
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
-            params += [sampling_params(request, i) for i in range(len(ids_per_prompt))]
+            params += [_checked_sampling_params(request, i) for i in range(len(ids_per_prompt))]
         called = time.monotonic()
         lora = lora_request(adapter) if adapter is not None else None
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
@@ -408,6 +408,20 @@ def sampling_params(request: Request, index: int, **overrides):
     return SamplingParams(**(settings | overrides))
 
 
+def _checked_sampling_params(request: Request, index: int):
+    """sampling_params, with vLLM's refusal of a setting (a temperature above 2, ...) an error of
+    the request's (`invalid_request`, permanent), not of the engine's (`engine_error`, sent again)."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        return sampling_params(request, index)
+    except (VLLMValidationError, ValueError) as exc:
+        raise RequestFailed(
+            ErrorCode.INVALID_REQUEST,
+            f"vLLM refuses the request's sampling settings: {exc}; change the setting it names",
+        ) from None
+
+
 def prompt_seed(seed: int | None, index: int) -> int | None:
     """The seed of prompt `index` of a request seeded with `seed` (None: unseeded).
 
@@ -470,6 +484,11 @@ def prompt_ids(request: Request, tokenizer) -> list[list[int]]:
 
 def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: int, vocab: int) -> None:
     for i, ids in enumerate(ids_per_prompt):
+        if not ids:  # vLLM refuses it ("The decoder prompt cannot be empty"): the request's fault, not the engine's
+            raise RequestFailed(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt {i} has no tokens (an empty text); give each prompt at least one character or token id",
+            )
         if len(ids) + request.max_tokens > max_len:
             raise RequestFailed(
                 ErrorCode.PROMPT_TOO_LONG,
