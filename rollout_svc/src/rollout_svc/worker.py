@@ -20,7 +20,10 @@ One bad file never stops the worker (errors.py sorts the OSErrors): a request fi
 be claimed, read or archived is left in requests/ (given back when it was claimed), logged once
 and skipped for a while (skipped.py) while the worker serves the others. ESTALE and EIO are
 tried again a few times first. Only the spool itself failing (requests/ unreadable after those
-retries) stops the worker, with CANNOT_WRITE (74).
+retries) stops the worker, with CANNOT_WRITE (74). Nor does one request's answer: a request
+asking more than `request_limits` is answered `request_too_large` before the engine sees it, and
+an answer that cannot be built, encoded or is too large becomes its request's error result while
+the rest of its batch is served (request_limits.py).
 
 Each result's timings say what its engine call spent loading weights: seconds and bytes of
 weight files (0 and 0 when they were already loaded). The worker counts into the status file's

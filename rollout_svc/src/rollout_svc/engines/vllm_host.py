@@ -20,7 +20,11 @@ Guarantees:
   weights: vLLM's LoRARequest, the base never reloaded; vLLM caches adapters by id and evicts the
   least recent past max_cpu_loras;
 - sleep level 2 drops the weights: waking reloads them from the directory named (the same or
-  new ones) between waking the weights' memory and the KV cache's, as vLLM prescribes.
+  new ones) between waking the weights' memory and the KV cache's, as vLLM prescribes;
+- on CPU no prompt's prefill is cut over two engine steps (scheduler_options), so a seeded batch
+  of any size is served, each request sampling what its seeds give;
+- what the engine cannot take from a request (an empty prompt, ids past the vocabulary, a prompt
+  too long, sampling settings vLLM refuses) is that request's RequestFailed, before generating.
 """
 
 from __future__ import annotations
