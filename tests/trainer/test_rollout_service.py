@@ -309,3 +309,18 @@ def test_a_permanent_error_stops_the_call_naming_the_request_the_error_and_what_
     message = str(info.value)
     assert ticket.request_ids[0] in message and "weights_not_allowed made by the test" in message
     assert "permanent" in message and "--allowed-root" in message and "relaunch" in message
+
+
+def test_a_request_too_large_for_the_worker_stops_the_call_naming_the_worker_options(tmp_path, servers):
+    failing = servers(lambda request: ErrorCode.REQUEST_TOO_LARGE)
+    service = RolloutService(service_config(tmp_path))
+    try:
+        ticket = service.submit(Ticket(("1+1=",), WEIGHTS, 4, 0, 1))
+        with pytest.raises(RolloutFailed) as info:
+            service.collect(ticket)
+    finally:
+        service.close()
+    assert failing.failed == list(ticket.request_ids)  # permanent: never sent again
+    message = str(info.value)
+    assert "request_too_large" in message and "permanent" in message
+    assert "--max-samples" in message and "--max-request-tokens" in message and "rollout-svc serve" in message

@@ -201,7 +201,7 @@ def test_error_codes_are_stable():
     assert {c.value for c in ErrorCode} == {
         "bad_json", "invalid_request", "unsupported_schema", "id_mismatch", "too_large", "not_a_file",
         "unreadable", "deadline_expired", "weights_not_found", "weights_invalid", "weights_not_allowed",
-        "prompt_too_long", "engine_error", "no_chat_template", "adapter_refused",
+        "prompt_too_long", "engine_error", "no_chat_template", "adapter_refused", "request_too_large",
     }  # fmt: skip
 
 

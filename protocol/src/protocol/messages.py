@@ -65,6 +65,7 @@ class ErrorCode(str, enum.Enum):
     # weights_dir is a LoRA adapter this worker cannot serve: its base is not the model loaded (by
     # content id), its rank exceeds --max-lora-rank, or the worker was started without LoRA
     ADAPTER_REFUSED = "adapter_refused"
+    REQUEST_TOO_LARGE = "request_too_large"  # asks more than the worker's limits (samples, prompts, tokens, bytes)
 
     @property
     def rejects_input(self) -> bool:

@@ -9,7 +9,8 @@ PEFT's adapter_model.safetensors and adapter_config.json, the base's content id 
     adapters.close()                                          # the copies go
 
 Guarantees:
-- Checked before the engine sees it: inside the allowed roots (every file), the rank within the
+- Checked before the engine sees it, the roots first (before its cached copy answers): inside the
+  allowed roots (every file, each a regular one), the rank within the
   worker's --max-lora-rank, the request's `weights_content_id` the manifest's, the files those the
   manifest lists with their sizes, the safetensors header whole. A refusal is a RequestFailed
   naming the directory, the problem and what to do (`adapter_refused` for what this worker
@@ -34,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.messages import ErrorCode
-from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest, ManifestError, read_manifest
+from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, Manifest, decode_manifest
 
 from .errors import RequestFailed, require_content_id
 from .scratch import own_dir
-from .weights import WeightsPolicy, check_safetensors_header
+from .weights import MAX_CONFIG_BYTES, WeightsPolicy, check_safetensors_header, read_weights_file
 
 COPY_TRIES = 3  # copies of a directory replaced under each of them, before its request fails
 _ROOT_PREFIX = "rollout-adapters-"  # + pid + "-" + random: the copies of one worker process
@@ -60,10 +61,13 @@ def _own_root() -> str:
 
 def adapter_manifest(weights_dir: str) -> Manifest | None:
     """The manifest of `weights_dir` when it is an adapter directory; None otherwise (a model, a
-    slot, a directory without a manifest: the ordinary weights path inspects those)."""
+    slot, a directory without a manifest, or one that is not a regular file or too large: the
+    ordinary weights path inspects and refuses those). Call it once the directory passed
+    WeightsPolicy.check_allowed: it reads the manifest."""
+    path = os.path.join(weights_dir, MANIFEST)
     try:
-        manifest = read_manifest(weights_dir)
-    except (OSError, ManifestError):
+        manifest = decode_manifest(read_weights_file(path, MAX_CONFIG_BYTES), path)
+    except (OSError, ValueError):  # ManifestError is a ValueError
         return None
     return manifest if manifest.adapter is not None else None
 
@@ -80,6 +84,9 @@ class Adapters:
     def prepare(self, weights_dir: str, manifest: Manifest, expected_content_id: str | None) -> AdapterRef:
         """The engine's reference to the adapter `weights_dir` (whose manifest is `manifest`)."""
         adapter = manifest.adapter
+        # Before anything answers, the cache included: a copy made for a directory once allowed
+        # says nothing about what this request's path resolves to now.
+        real = self.policy.check_allowed(weights_dir)
         if not self.max_rank:
             raise RequestFailed(
                 ErrorCode.ADAPTER_REFUSED,
@@ -98,8 +105,6 @@ class Adapters:
         if found is not None:
             self.held.move_to_end(manifest.content_id)
             return found
-        real = self.policy.check_allowed(weights_dir)
-        self.policy.check_files_allowed(real, weights_dir)
         for _ in range(COPY_TRIES):
             copy = self._copy(real, weights_dir, manifest)
             now = adapter_manifest(real)

@@ -20,6 +20,7 @@ import typer
 from protocol import exit_codes
 
 from .engines.vllm import SLEEP_LEVELS, VllmEngine
+from .request_limits import RequestLimits
 from .scheduling import Limits
 from .tiny_model import build as build_tiny_model
 from .worker import WorkerConfig
@@ -113,6 +114,22 @@ def serve(
     max_wait: Annotated[
         float, typer.Option(help="A request waiting longer is served next, whatever its weights.")
     ] = Limits.max_wait_s,
+    max_samples: Annotated[
+        int, typer.Option(help="Most n_samples_per_prompt of one request; above it: request_too_large.")
+    ] = RequestLimits.max_samples,
+    max_prompts: Annotated[
+        int, typer.Option(help="Most prompts of one request; above it: request_too_large.")
+    ] = RequestLimits.max_prompts,
+    max_request_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Most prompts x n_samples_per_prompt x max_tokens of one request (what its result may hold); "
+            "above it: request_too_large."
+        ),
+    ] = RequestLimits.max_request_tokens,
+    max_result_bytes: Annotated[
+        int, typer.Option(help="Most bytes of one result file; a larger result is replaced by request_too_large.")
+    ] = RequestLimits.max_result_bytes,
     dtype: Annotated[
         str, typer.Option(help="vllm: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")
     ] = _VLLM["dtype"],
@@ -203,6 +220,14 @@ def serve(
         raise typer.BadParameter(
             f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}", param_hint="--engine"
         )
+    for name, value in (
+        ("--max-samples", max_samples),
+        ("--max-prompts", max_prompts),
+        ("--max-request-tokens", max_request_tokens),
+        ("--max-result-bytes", max_result_bytes),
+    ):
+        if value < 1:
+            raise typer.BadParameter(f"{value} must be at least 1", param_hint=name)
     for root in allowed_root or []:
         if not root.is_dir():
             raise typer.BadParameter(f"{root} is not a directory", param_hint="--allowed-root")
@@ -237,6 +262,7 @@ def serve(
         idle_exit_s=idle_exit or None,
         stop_grace_s=stop_grace,
         limits=Limits(max_requests=max_batch, max_sequences=max_sequences, max_wait_s=max_wait),
+        request_limits=RequestLimits(max_samples, max_prompts, max_request_tokens, max_result_bytes),
         poll=poll,
         preload=str(weights.absolute()) if weights else None,
         sleep_when_idle_s=sleep_when_idle or None,

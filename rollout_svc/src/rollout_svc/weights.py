@@ -9,15 +9,22 @@ A weight slot (protocol.weight_slots: a flat tensors file and its manifest, with
 tokenizer beside them) is inspected the same way and carries its manifest (`Weights.slot`);
 slot_load.py loads it.
 Every refusal is a RequestFailed whose message starts with the request's `weights_dir`.
+
+Guarantees: nothing in a weights directory is opened before the allowed-root check of every
+entry in it (`check_allowed`), and an entry that is not a directory or a regular file (a FIFO,
+a device, a socket; links followed) is refused there, so no read of a directory someone else
+wrote can block or read a device; every file is read with a size bound.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.fsio import read_regular_file
 from protocol.messages import ErrorCode
 from protocol.weight_slots import SlotError, SlotManifest, is_slot, read_slot_manifest
 from protocol.weights_dir import weights_content_id
@@ -41,6 +48,10 @@ ARCHITECTURE_KEYS = (
     "dtype",
 )
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# Bounds on the files of a weights directory read whole (the shards are read by the engine).
+MAX_CONFIG_BYTES = 16 * 2**20  # config.json, tokenizer_config.json, a safetensors index
+MAX_TOKENIZER_BYTES = 256 * 2**20  # tokenizer.json and the other tokenizer files
+MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,9 @@ class WeightsPolicy:
         return any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.allowed_roots)
 
     def check_allowed(self, weights_dir: str) -> str:
+        """The resolved path of `weights_dir`, once it and (for a directory) every entry in it are
+        inside the roots and every file in it is a regular one (check_files_allowed): call it
+        before anything reads a file of the directory, its manifest included."""
         real = os.path.realpath(weights_dir)
         if self.allowed_roots and not self._inside(real):
             raise RequestFailed(
@@ -83,23 +97,28 @@ class WeightsPolicy:
                 f"{', '.join(self.allowed_roots)}; move the checkpoint under one of them or start "
                 "the worker with another --allowed-root",
             )
+        if os.path.isdir(real):
+            self.check_files_allowed(real, weights_dir)
         return real
 
     def check_files_allowed(self, real: str, weights_dir: str) -> None:
-        """Every entry under the directory `real` (symlinks resolved) lies inside the roots."""
-        if not self.allowed_roots:
-            return
+        """Every entry under the directory `real` (symlinks resolved) lies inside the roots, and each
+        file is a regular file: a FIFO would block its reader forever, a link to /dev/zero feed it
+        until memory runs out. Only metadata is looked at (stat never opens a file)."""
         for directory, subdirs, files in os.walk(real):  # symlinked directories are checked, not entered
             for name in [*subdirs, *files]:
-                target = os.path.realpath(os.path.join(directory, name))
-                if not self._inside(target):
-                    inner = os.path.relpath(os.path.join(directory, name), real)
+                path = os.path.join(directory, name)
+                inner = os.path.relpath(path, real)
+                target = os.path.realpath(path)
+                if self.allowed_roots and not self._inside(target):
                     raise RequestFailed(
                         ErrorCode.WEIGHTS_NOT_ALLOWED,
                         f"weights_dir {weights_dir}: {inner} resolves to {target}, outside the allowed roots "
                         f"{', '.join(self.allowed_roots)}; copy the file into the checkpoint instead of linking "
                         "it, or start the worker with another --allowed-root",
                     )
+                if name in files:
+                    _check_regular(path, inner, weights_dir)
 
     def inspect(self, weights_dir: str) -> Weights:
         """Validate a weights directory without loading tensors. Raises RequestFailed."""
@@ -133,11 +152,32 @@ def _slot_manifest(real: str, shown: str) -> SlotManifest:
         raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown}: {exc}") from None
 
 
+def _check_regular(path: str, inner: str, shown: str) -> None:
+    try:
+        mode = os.stat(path).st_mode  # links followed: what a reader would open
+    except FileNotFoundError:
+        return  # a dangling link, or removed since the listing: the read that needs it says so
+    if not stat.S_ISREG(mode):
+        device = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if device else "a socket"
+        raise RequestFailed(
+            ErrorCode.WEIGHTS_INVALID,
+            f"weights_dir {shown}: {inner} is {kind}, not a regular file; a weights directory holds only "
+            "regular files: remove it, or publish the weights again",
+        )
+
+
+def read_weights_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """A file of a checked weights directory, its links resolved (a Hugging Face cache's snapshot
+    links into its blobs; the roots were checked on the resolved path), read without blocking and
+    at most `max_bytes` (protocol.fsio.read_regular_file). OSError or ValueError otherwise."""
+    return read_regular_file(os.path.realpath(path), max_bytes)
+
+
 def _read_config(real: str, shown: str) -> dict:
     path = os.path.join(real, "config.json")
     try:
-        with open(path, "rb") as f:
-            config = json.loads(f.read())
+        config = json.loads(read_weights_file(path, MAX_CONFIG_BYTES))
     except FileNotFoundError:
         raise RequestFailed(
             ErrorCode.WEIGHTS_INVALID, f"weights_dir {shown} has no config.json; save the model with save_pretrained"
@@ -158,8 +198,7 @@ def _shards(real: str, shown: str) -> list[str]:
     index = os.path.join(real, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
-            with open(index, "rb") as f:
-                shard_names = json.loads(f.read())["weight_map"].values()
+            shard_names = json.loads(read_weights_file(index, MAX_CONFIG_BYTES))["weight_map"].values()
             if not all(isinstance(name, str) for name in shard_names):
                 raise ValueError("weight_map values must be shard file names")
             wanted = sorted(set(shard_names))
@@ -192,12 +231,18 @@ def check_safetensors_header(path: Path, shown: str) -> int:
     """A shard is corrupt when its header is unreadable or its tensors run past the end of
     the file (a truncated copy). Reads only the header, not the tensors; returns the file's size."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            if header_len <= 0 or 8 + header_len > size or header_len > 100 * 2**20:
+        fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            size = st.st_size
+            header_len = int.from_bytes(os.pread(fd, 8, 0), "little")
+            if header_len <= 0 or 8 + header_len > size or header_len > MAX_HEADER_BYTES:
                 raise ValueError("header length out of range")
-            header = json.loads(f.read(header_len))
+            header = json.loads(os.pread(fd, header_len, 8))
+        finally:
+            os.close(fd)
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         if 8 + header_len + end > size:
             raise ValueError(f"tensors need {8 + header_len + end} bytes, the file has {size}")

@@ -20,7 +20,10 @@ One bad file never stops the worker (errors.py sorts the OSErrors): a request fi
 be claimed, read or archived is left in requests/ (given back when it was claimed), logged once
 and skipped for a while (skipped.py) while the worker serves the others. ESTALE and EIO are
 tried again a few times first. Only the spool itself failing (requests/ unreadable after those
-retries) stops the worker, with CANNOT_WRITE (74).
+retries) stops the worker, with CANNOT_WRITE (74). Nor does one request's answer: a request
+asking more than `request_limits` is answered `request_too_large` before the engine sees it, and
+an answer that cannot be built, encoded or is too large becomes its request's error result while
+the rest of its batch is served (request_limits.py).
 
 Each result's timings say what its engine call spent loading weights: seconds and bytes of
 weight files (0 and 0 when they were already loaded). The worker counts into the status file's
@@ -44,6 +47,7 @@ from .engines import Completion, Engine
 from .errors import TRANSIENT, RequestFailed, is_full_disk, retrying
 from .metrics import Metrics
 from .notify import Notifier
+from .request_limits import RequestLimits
 from .scheduling import Limits, Scheduler, weights_key
 from .skipped import Skipped
 from .status import Heartbeat, Tally
@@ -67,6 +71,7 @@ class WorkerConfig:
     rescan_s: float = 1.0  # directory scan even without file events
     stop_grace_s: float = 60.0  # after SIGTERM, how long the batch in hand may still run
     limits: Limits = field(default_factory=Limits)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
     poll: bool | None = None  # None: poll only on filesystems without inotify
     preload: str | None = None  # weights to load before the first request
     sleep_when_idle_s: float | None = None  # put the engine to sleep after this long without requests; None: never
@@ -391,6 +396,10 @@ class Worker:
             )
             self._publish([job], [self._failure(job, ErrorCode.DEADLINE_EXPIRED, message)])
             return None
+        too_large = self.config.request_limits.refusal(request)
+        if too_large is not None:
+            self._publish([job], [self._failure(job, ErrorCode.REQUEST_TOO_LARGE, too_large)])
+            return None
         return job
 
     def _generate(self, group: list[_Job]) -> list[Result]:
@@ -414,7 +423,12 @@ class Worker:
             signal.alarm(0)
             self._count_wake(was_asleep)
         generate_s = time.monotonic() - started
-        results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
+        try:
+            results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
+        except Exception as exc:  # an answer that cannot be built fails its request alone, not the batch
+            if len(group) == 1:
+                return [self._error_result(group[0], exc)]
+            return [r for job in group for r in self._generate([job])]
         tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
         reload_s = completions[0].reload_s if completions else 0.0  # one load per call, before generating
         generation_s = max(generate_s - reload_s, 1e-9)
@@ -427,7 +441,11 @@ class Worker:
         return results
 
     def _publish(self, group: list[_Job], results: list[Result]) -> None:
-        held = [(job, result) for job, result in zip(group, results, strict=True) if self.spool.holds(job.claim)]
+        held = [
+            (job, self._publishable(job, result))
+            for job, result in zip(group, results, strict=True)
+            if self.spool.holds(job.claim)
+        ]
         lost = len(group) - len(held)
         if lost:
             # Recovered while we worked: the request is back in requests/ and someone else
@@ -546,6 +564,15 @@ class Worker:
         self.heartbeat.update(last_error=f"{job.request.request_id}: {message}")
         timings = Timings(queued_s=job.queued_s)
         return Result.failure(code=code, message=message, timings=timings, **self._common(job))
+
+    def _publishable(self, job: _Job, result: Result) -> Result:
+        """`result`, or its request's error result when it cannot be encoded or is too large
+        (request_limits): one request's answer never fails the publishing of its batch."""
+        problem = self.config.request_limits.unpublishable(result)
+        if problem is None:
+            return result
+        log.error("result of %s not published as it is: %s", job.request.request_id, problem[1])
+        return self._failure(job, *problem)
 
     def _error_result(self, job: _Job, exc: Exception) -> Result:
         if isinstance(exc, RequestFailed):

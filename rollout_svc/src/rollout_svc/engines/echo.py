@@ -4,18 +4,20 @@ An operator's smoke test of a deployment (spool permissions, systemd units, prod
 a GPU or weights. Tokens are Unicode code points: a completion is the first `max_tokens`
 characters of its prompt, finishing with "length" when that cut it short and "stop" otherwise.
 Each token's logprob is 0.0 (the echo is certain). Prompts given as token ids are echoed as
-those ids, their text being the code points they name; a conversation (`messages`) is echoed as
-its last turn's text. It loads nothing, so it never reports a
-state to its listener and every completion has a reload of 0 seconds and 0 bytes. It sleeps
-when asked (there is nothing to free) and is awake again at its next call, so the worker's
-sleep settings can be tried without a GPU.
+those ids, their text being the code points they name (an id past U+10FFFF is U+FFFD; one naming
+a surrogate, which no text can hold, refuses its request with `invalid_request`); a conversation
+(`messages`) is echoed as its last turn's text. It loads nothing, so it never reports a state
+to its listener and every completion has a reload of 0 seconds and 0 bytes. It sleeps when
+asked (there is nothing to free) and is awake again at its next call, so the worker's sleep
+settings can be tried without a GPU.
 """
 
 from __future__ import annotations
 
-from protocol.messages import Request
+from protocol.messages import ErrorCode, Request
 
 from .. import __version__
+from ..errors import RequestFailed
 from .base import Completion, StateListener, ignore_state
 
 
@@ -50,6 +52,7 @@ class EchoEngine:
         # A conversation is echoed as its last turn's text.
         sources = request.prompts or [conversation[-1].content for conversation in request.messages or ()]
         prompt_ids = request.prompt_token_ids or [[ord(c) for c in p] for p in sources]
+        _refuse_surrogates(prompt_ids)
         texts, token_ids, logprobs, finish = [], [], [], []
         for ids in prompt_ids:
             kept = ids[: request.max_tokens]
@@ -61,6 +64,17 @@ class EchoEngine:
 
     def close(self) -> None:
         pass
+
+
+def _refuse_surrogates(prompt_ids: list[list[int]]) -> None:
+    for i, ids in enumerate(prompt_ids):
+        bad = [t for t in ids if 0xD800 <= t <= 0xDFFF]
+        if bad:
+            raise RequestFailed(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt_token_ids[{i}] holds {bad[:5]}: surrogate code points (U+D800..U+DFFF), which no text "
+                "can hold; the echo's token ids are Unicode code points: send those of characters",
+            )
 
 
 def _char(code_point: int) -> str:

@@ -45,7 +45,14 @@ from ..adapters import AdapterRef, Adapters, adapter_manifest
 from ..delta_load import DeltaLoader
 from ..errors import RequestFailed, require_content_id
 from ..slot_load import SlotChanged, slot_lease
-from ..weights import Weights, WeightsPolicy, check_tokenizer_fits
+from ..weights import (
+    MAX_CONFIG_BYTES,
+    MAX_TOKENIZER_BYTES,
+    Weights,
+    WeightsPolicy,
+    check_tokenizer_fits,
+    read_weights_file,
+)
 from .base import Completion, StateListener, ignore_state
 from .host import EngineHost, HostDied, HostError
 from .vllm_host import EngineSpec, describe
@@ -322,6 +329,7 @@ class VllmEngine:
         """Serve requests that share weights_dir in one engine call: full weights made live, or
         a LoRA adapter on the live weights it names as its base."""
         first = requests[0]
+        self.policy.check_allowed(first.weights_dir)  # before any read of it, its manifest's included
         manifest = adapter_manifest(first.weights_dir)
         if manifest is None:
             self.adapter = None
@@ -344,7 +352,7 @@ class VllmEngine:
         wanted = manifest.adapter.base_content_id
         live = self.weights if self.host is not None and self.host.alive() else None
         adapter = self.adapters.prepare(request.weights_dir, manifest, request.weights_content_id)
-        if live is None and manifest.base_model and _content_id_of(manifest.base_model) == wanted:
+        if live is None and manifest.base_model and self._content_id_of(manifest.base_model) == wanted:
             load = self.load(manifest.base_model, wanted)  # a fresh worker: the base the adapter names
         elif live is not None and live.content_id == wanted:
             load = self.load(live.path, wanted)  # ALREADY_LIVE, or a wake
@@ -363,6 +371,15 @@ class VllmEngine:
         read = os.path.getsize(os.path.join(adapter.path, ADAPTER_WEIGHTS)) if added else 0
         return Load(load.seconds + (time.monotonic() - started if added else 0.0), load.bytes + read)
 
+    def _content_id_of(self, directory: str) -> str | None:
+        """The content id of `directory` (an adapter's base_model), None when it is not one this
+        worker may read (outside the roots, holding a FIFO) or has none."""
+        try:
+            self.policy.check_allowed(directory)
+            return weights_content_id(directory)
+        except (OSError, RequestFailed):
+            return None
+
     def probe(self, method: str, *args):
         """Run a WeightProbe method (vllm_extension) next to the engine's tensors; for checks."""
         return self.host.call("probe", method, args)
@@ -374,13 +391,6 @@ class VllmEngine:
         self.adapters.close()  # the engine's cache went with it
         if host is not None:
             host.close()
-
-
-def _content_id_of(directory: str) -> str | None:
-    try:
-        return weights_content_id(directory)
-    except OSError:
-        return None
 
 
 def _vllm_version() -> str:
@@ -410,8 +420,14 @@ def _tokenizer_id(weights: Weights, known: tuple[str | None, int] = (None, 0)) -
         path = os.path.join(weights.real_path, name)
         if os.path.exists(path):
             found = True
-            with open(path, "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
+            try:
+                data = read_weights_file(path, MAX_TOKENIZER_BYTES)
+            except (OSError, ValueError) as exc:
+                raise RequestFailed(
+                    ErrorCode.WEIGHTS_INVALID,
+                    f"weights_dir {weights.path}: {name} cannot be read ({exc}); save the tokenizer again",
+                ) from None
+            digest.update(name.encode() + b"\0" + data)
     if not found:
         raise RequestFailed(
             ErrorCode.WEIGHTS_INVALID,
@@ -450,6 +466,5 @@ def tokenizer_size(directory: str) -> int:
     config = os.path.join(directory, "tokenizer_config.json")
     added = {}
     if os.path.exists(config):
-        with open(config) as f:
-            added = json.load(f).get("added_tokens_decoder") or {}
+        added = json.loads(read_weights_file(config, MAX_CONFIG_BYTES)).get("added_tokens_decoder") or {}
     return len(known) + len({t["content"] for t in added.values()} - known.keys())

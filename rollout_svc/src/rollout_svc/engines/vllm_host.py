@@ -20,7 +20,11 @@ Guarantees:
   weights: vLLM's LoRARequest, the base never reloaded; vLLM caches adapters by id and evicts the
   least recent past max_cpu_loras;
 - sleep level 2 drops the weights: waking reloads them from the directory named (the same or
-  new ones) between waking the weights' memory and the KV cache's, as vLLM prescribes.
+  new ones) between waking the weights' memory and the KV cache's, as vLLM prescribes;
+- on CPU no prompt's prefill is cut over two engine steps (scheduler_options), so a seeded batch
+  of any size is served, each request sampling what its seeds give;
+- what the engine cannot take from a request (an empty prompt, ids past the vocabulary, a prompt
+  too long, sampling settings vLLM refuses) is that request's RequestFailed, before generating.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class LiveEngine:
             worker_extension_cls=EXTENSION,
             **compile_options(spec),
             **lora_options(spec),
+            **scheduler_options(spec),
         )
         self.post_process = needs_post_processing(spec.device, self.llm.llm_engine.model_config.quantization)
         if weights.slot is not None:
@@ -192,7 +197,7 @@ class LiveEngine:
             _check_prompts(request, ids_per_prompt, max_len, vocab)
             spans.append((len(prompts), len(ids_per_prompt)))
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
-            params += [sampling_params(request, i) for i in range(len(ids_per_prompt))]
+            params += [_checked_sampling_params(request, i) for i in range(len(ids_per_prompt))]
         called = time.monotonic()
         lora = lora_request(adapter) if adapter is not None else None
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
@@ -336,6 +341,23 @@ def compile_options(spec: EngineSpec) -> dict:
     return {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
 
 
+def scheduler_options(spec: EngineSpec) -> dict:
+    """vLLM's scheduler settings for `spec`: on CPU a prompt's prefill is never cut over two steps.
+
+    With chunked prefill (vLLM's default) a step's token budget (max_num_batched_tokens, 4096 on
+    CPU) cuts the prefill of whatever does not fit: a seeded batch of 16 prompts x 8 samples x 47
+    tokens (6,016) was cut, and the model runner then rewinds the cut request's random generator
+    (`gen.set_offset(gen.get_offset() - 4)`, vLLM 0.32's gpu_model_runner), which a CPU generator
+    cannot do: "CPU Generator does not use offset", and the engine died. Without chunked prefill a
+    request waits for a step whose budget holds its whole prompt (vLLM raises the budget to at least
+    max_model_len, so every prompt fits one), its generator draws only for tokens it keeps, and a
+    seeded request samples what it would alone: results stay seeded and reproducible. The cost is
+    a prefill step's size (a prompt is never interleaved in pieces with decodes), which on a CPU,
+    where one long prompt already fills a step, changes little. GPU generators have offsets: there
+    vLLM's chunking stays."""
+    return {"enable_chunked_prefill": False} if spec.device == "cpu" else {}
+
+
 def lora_options(spec: EngineSpec) -> dict:
     """vLLM's LoRA settings for an engine built with `spec` (none without LoRA)."""
     if not spec.lora_rank:
@@ -388,6 +410,20 @@ def sampling_params(request: Request, index: int, **overrides):
         seed=prompt_seed(request.seed, index),
     )
     return SamplingParams(**(settings | overrides))
+
+
+def _checked_sampling_params(request: Request, index: int):
+    """sampling_params, with vLLM's refusal of a setting (a temperature above 2, ...) an error of
+    the request's (`invalid_request`, permanent), not of the engine's (`engine_error`, sent again)."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        return sampling_params(request, index)
+    except (VLLMValidationError, ValueError) as exc:
+        raise RequestFailed(
+            ErrorCode.INVALID_REQUEST,
+            f"vLLM refuses the request's sampling settings: {exc}; change the setting it names",
+        ) from None
 
 
 def prompt_seed(seed: int | None, index: int) -> int | None:
@@ -452,6 +488,11 @@ def prompt_ids(request: Request, tokenizer) -> list[list[int]]:
 
 def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: int, vocab: int) -> None:
     for i, ids in enumerate(ids_per_prompt):
+        if not ids:  # vLLM refuses it ("The decoder prompt cannot be empty"): the request's fault, not the engine's
+            raise RequestFailed(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt {i} has no tokens (an empty text); give each prompt at least one character or token id",
+            )
         if len(ids) + request.max_tokens > max_len:
             raise RequestFailed(
                 ErrorCode.PROMPT_TOO_LONG,

@@ -40,7 +40,7 @@ from dataclasses import replace
 import msgspec
 
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
-from protocol.messages import Request, Result
+from protocol.messages import ErrorCode, Request, Result
 from protocol.rows import prompt_fields
 from protocol.spool import split_claimed_name
 
@@ -157,11 +157,15 @@ class RolloutService:
         error = result.error
         worker = f" (worker {result.worker_id})" if result.worker_id else ""
         if not error.code.transient:
+            options = "--allowed-root or --max-model-len"
+            if error.code is ErrorCode.REQUEST_TOO_LARGE:  # the worker's limits: the message names the one hit
+                options = "the limit the message names (--max-samples, --max-prompts, --max-request-tokens, "
+                options += "--max-result-bytes of rollout-svc serve)"
             raise RolloutFailed(
                 f"rollout request {request_id} was refused{worker}: {error.code.value}: {error.message}. "
                 "This error is permanent: sent again unchanged, the request fails again. Change what the message "
-                "names (the [rollout] or [model] settings, the weights, or the worker's options such as "
-                "--allowed-root or --max-model-len), then relaunch: the relaunch sends it again under a fresh id"
+                f"names (the [rollout] or [model] settings, the weights, or the worker's options such as {options}), "
+                "then relaunch: the relaunch sends it again under a fresh id"
             )
         if resent >= self.cfg.rollout.error_retries:
             where = f"; see {self.worker.log_path}" if self.worker is not None else ""
