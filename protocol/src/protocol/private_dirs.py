@@ -11,7 +11,7 @@ what to do), never used:
   of the expected owner with one link (a hard link to another file would make a write land in
   that file too).
 
-Guarantees (tests/unit/test_slot_ring_privacy.py):
+Guarantees (tests/unit/test_private_dirs.py, tests/trainer/test_slot_ring_privacy.py):
 - A path that fails a check is refused before anything is written into it or read from it.
 - `make_private_dir` leaves a directory of mode 0700 owned by this user, or raises.
 """

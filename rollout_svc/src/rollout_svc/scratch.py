@@ -2,7 +2,7 @@
 that the next process of this user removes those whose process is gone (a SIGKILLed worker
 cannot remove its own, and they can be a model's size).
 
-Guarantees (tests/unit/test_slot_ring_privacy.py):
+Guarantees (tests/unit/test_private_dirs.py):
 - Private: a directory is made with mode 0700 (tempfile.mkdtemp, an unguessable name) and checked
   after (protocol.private_dirs), in a parent where nobody else can rename it away: a parent that
   others may write without the sticky bit (/tmp and /dev/shm have it) is refused (NotPrivate).
