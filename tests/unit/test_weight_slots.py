@@ -25,7 +25,6 @@ from protocol.weight_slots import (
     leases,
     plan_layout,
     read_slot_manifest,
-    reading,
     word_sum,
 )
 
