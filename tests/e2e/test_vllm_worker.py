@@ -494,3 +494,37 @@ def test_a_request_naming_a_weight_slot_is_served_with_the_directory_publishs_we
     assert f"slot {slot} (step 5" in log  # loaded as a slot, not read as files
     stale = ask(client, slot, weights_content_id="slots-step4")
     assert stale.error.code == ErrorCode.WEIGHTS_INVALID and "content id" in stale.error.message
+
+
+def test_a_corrupt_slot_is_a_permanent_weights_invalid_and_the_worker_serves_on(worker, models, client_for):
+    """A byte of tensors.bin changed after its manifest was written: the copy's sum differs from
+    the checksum. Sent again, the same bytes fail again, so it is weights_invalid (the trainer's
+    client stops at once on it, exit 2: tests/trainer/test_rollout_service.py), never an
+    engine_error that the trainer resends, each time with an engine rebuild."""
+    from protocol.weight_slots import SLOT_DATA, leases, read_slot_manifest
+
+    out = models["root"] / "corrupt-slot"
+    done = subprocess.run(
+        [str(TRAINER_PYTHON), "-c", PUBLISH_BOTH, str(models["b"]), str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    _, _, slot, slot_id = done.stdout.split()
+    middle = read_slot_manifest(slot).bytes // 2
+    with open(Path(slot) / SLOT_DATA, "r+b") as f:  # in place: the same file, one byte flipped
+        f.seek(middle)
+        byte = f.read(1)[0]
+        f.seek(middle)
+        f.write(bytes([byte ^ 0xFF]))
+    client = client_for(worker["spool"].root)
+    assert ask(client, models["a"], ["12+7="]).ok  # the engine holds other weights of the same shape first
+    log_path = worker["base"] / f"{WORKER}.log"
+    log_before = len(log_path.read_text())
+    failed = ask(client, slot, ["12+7="], weights_content_id=slot_id)
+    assert not failed.ok and failed.error.code == ErrorCode.WEIGHTS_INVALID, failed.error
+    assert not failed.error.code.transient  # permanent: the trainer does not send it again
+    assert "sums to" in failed.error.message and slot in failed.error.message
+    assert "building a new engine" not in log_path.read_text()[log_before:]  # no rebuild for bad bytes
+    assert leases(slot) == []
+    assert worker["proc"].poll() is None
+    served = ask(client, models["a"], ["12+7="])  # the worker serves on, with sound weights
+    assert served.ok and served.weights_dir == str(models["a"]), served.error

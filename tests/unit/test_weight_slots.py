@@ -25,7 +25,6 @@ from protocol.weight_slots import (
     leases,
     plan_layout,
     read_slot_manifest,
-    reading,
     word_sum,
 )
 
@@ -106,6 +105,15 @@ def status(worker_id: str, lease_s: float = 3.0) -> WorkerStatus:
                         state="idle", started_at=time.time(), heartbeat_at=time.time(), lease_s=lease_s)  # fmt: skip
 
 
+def lease_from_another_host(slot, reader: str):
+    """A lease as a reader on another host (or in another pid namespace) leaves it: its pid means
+    nothing here, so the judge goes by its worker's heartbeat, or by the file's own age."""
+    (slot / "readers").mkdir(mode=0o700, exist_ok=True)
+    path = slot / "readers" / f"{reader}.4242.lease"
+    path.write_text(json.dumps({"reader": reader, "pid": 4242, "host": "elsewhere", "taken_at": time.time()}))
+    return path
+
+
 def test_a_lease_holds_while_its_workers_heartbeat_beats_and_is_released_once_it_stands_still(tmp_path):
     now = [0.0]
     spool = Spool(tmp_path / "spool", create=True, clock=lambda: now[0])
@@ -113,13 +121,13 @@ def test_a_lease_holds_while_its_workers_heartbeat_beats_and_is_released_once_it
     slot = tmp_path / "slot_0"
     slot.mkdir()
     spool.write_status(status("w1"))
-    with reading(slot, "w1"):
-        assert [lease.reader for lease in judge.held(slot)] == ["w1"]
-        now[0] += 2.0  # within the lease
-        assert judge.held(slot)
-        now[0] += 10.0  # the heartbeat stood still past its lease, watched for more than half of it
-        assert judge.held(slot) == []
-        assert leases(slot) == []  # removed: `ls readers/` shows what holds the slot
+    lease_from_another_host(slot, "w1")
+    assert [lease.reader for lease in judge.held(slot)] == ["w1"]
+    now[0] += 2.0  # within the lease
+    assert judge.held(slot)
+    now[0] += 10.0  # the heartbeat stood still past its lease, watched for more than half of it
+    assert judge.held(slot) == []
+    assert leases(slot) == []  # removed: `ls readers/` shows what holds the slot
 
 
 def test_a_lease_without_a_status_is_judged_by_its_own_age(tmp_path):
@@ -127,7 +135,7 @@ def test_a_lease_without_a_status_is_judged_by_its_own_age(tmp_path):
     judge = LeaseJudge(None, default_lease_s=5.0, clock=lambda: now[0])
     slot = tmp_path / "slot_0"
     slot.mkdir()
-    with reading(slot, "somebody"):
-        assert judge.held(slot)
-        now[0] += 6.0
-        assert judge.held(slot) == []
+    lease_from_another_host(slot, "somebody")
+    assert judge.held(slot)
+    now[0] += 6.0
+    assert judge.held(slot) == []

@@ -78,6 +78,21 @@ class HeartbeatWatch:
             del self._seen[key]
 
 
+def process_start(pid: int) -> int | None:
+    """When the process `pid` of this host started (clock ticks since boot, /proc/PID/stat's 22nd
+    field), so a record of a pid can tell its process from a later one given the same pid; None
+    when it is gone, a zombie (it has exited), or there is no /proc to ask."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name, in parentheses, may hold anything
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
 def process_exists(pid: int) -> bool:
     """Whether a process with this pid lives on this host (another user's counts)."""
     try:

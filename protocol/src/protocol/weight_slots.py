@@ -13,6 +13,13 @@ that writes a slot and the worker that reads it.
             readers/<reader>.<pid>.lease      a reader's lease: taken before it reads the manifest, dropped
                                               once its copy of the tensors is made
 
+The ring is private to the user who runs the trainer (mode 0700, its slot directories and readers/
+too), and its workers run as that user (a spawned worker does). /dev/shm lets anyone create a
+name in it, and the ring's name can be guessed, so a ring is checked before any use (a directory
+of this user, not a symlink, that nobody else can write; tensors.bin a regular file of this user
+with one link, opened without following links): one that fails is refused (protocol.private_dirs.NotPrivate, naming
+the path and what to do), never written through nor read.
+
 A request names a slot as it names a weights directory: `weights_dir` is the slot's directory and
 `weights_content_id` its manifest's content id. `cat slot_0/slot.json` shows what a slot holds.
 
@@ -25,10 +32,15 @@ Guarantees:
   manifest, then looks for leases, and waits while one holds (or writes another slot). Either the
   writer sees the lease, or the reader finds no manifest: a reader never copies bytes a writer
   is changing.
-- A dead reader's lease does not hold a slot forever: a lease is released when its process is gone
-  (same host, which a slot's reader always is), when its worker's heartbeat in the spool stands
-  still past the worker's lease (spool_liveness's rule, judged on the observer's clock), or, with
-  no status file for it, when the lease file itself is older than DEFAULT_LEASE_S as watched.
+- A live reader keeps its lease however long it reads, and a dead reader's lease does not hold a
+  slot: a lease of this host (and pid namespace, which a slot's reader shares with its writer) is
+  judged by its process alone, held while that process (the pid and its start time, so a reused
+  pid does not count) lives; any other is released when its worker's heartbeat in the spool stands
+  still past the worker's lease (spool_liveness's rule, judged on the observer's clock) or, with
+  no status file for it, when the lease file stood still for DEFAULT_LEASE_S as watched: a reader
+  touches its lease every third of that while it holds it.
+- Private: a ring, slot or tensors.bin that another user made or can change, or a link in their
+  place, is refused by the writer and by every reader before anything is written or mapped.
 - The content is checked from the manifest, never by reading the tensors back: `checksum` is the
   sum, modulo 2**64, of tensors.bin's first `bytes` bytes read as little-endian 64-bit words (the
   gaps are zero), printed as 16 hex digits. A reader sums its own copy (on the device, where it
@@ -49,6 +61,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -58,7 +71,8 @@ from typing import Annotated
 import msgspec
 
 from . import fsio
-from .leases import HeartbeatWatch, process_exists
+from .leases import HeartbeatWatch, process_exists, process_start
+from .private_dirs import check_private_dir, make_private_dir, open_private_file
 
 SLOT_MANIFEST = "slot.json"
 SLOT_DATA = "tensors.bin"
@@ -67,7 +81,9 @@ SLOT_PREFIX = "slot_"
 LEASE_SUFFIX = ".lease"
 ALIGNMENT = 256  # bytes: every tensor's offset; a device allocation's alignment, so views are as good as tensors
 FORMAT = "weight-slot/1"
-DEFAULT_LEASE_S = 30.0  # a lease without a worker status file is judged by its own age against this
+DEFAULT_LEASE_S = 30.0  # a lease not judged by its process nor a status file: by its own age against this
+MANIFEST_MAX_BYTES = 64 * 2**20  # a manifest is a line per tensor: far below this
+LEASE_MAX_BYTES = 4096
 # Bytes per element of the dtypes a slot holds (torch's names without "torch.").
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -108,6 +124,46 @@ def ring_dir(slots_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     runs of one name in other directories never share slots."""
     digest = hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:8]
     return Path(slots_dir) / f"{Path(run_dir).name[:60]}-{digest}"
+
+
+def _remedy(ring: str | os.PathLike) -> str:
+    return (
+        "a weight-slot ring must be a directory of this user that nobody else can write, holding no links; "
+        f"remove it (rm -r {ring}: a relaunch puts back its weights from the checkpoint) or set "
+        "publish.slots_dir to a directory of your own"
+    )
+
+
+def make_ring(ring: str | os.PathLike, count: int) -> None:
+    """The writer's ring with `count` slots, each with its readers/: made private (mode 0700) where
+    they are not there, checked to be where they are (NotPrivate)."""
+    ring = Path(ring)
+    ring.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(ring, _remedy(ring))
+    for index in range(count):
+        slot = ring / slot_dir_name(index)
+        make_private_dir(slot, _remedy(ring))
+        make_private_dir(slot / READERS, _remedy(ring))
+
+
+def check_slot_private(slot_dir: str | os.PathLike) -> None:
+    """Before any use of a slot, by its writer or a reader: its ring (the slot's parent), the slot
+    and its readers/ (when there) are directories of this user that nobody else can write
+    (NotPrivate else, naming the path and what to do)."""
+    slot = Path(slot_dir)
+    check_private_dir(slot.parent, remedy=_remedy(slot.parent))
+    check_private_dir(slot, remedy=_remedy(slot.parent))
+    with contextlib.suppress(FileNotFoundError):
+        check_private_dir(slot / READERS, remedy=_remedy(slot.parent))
+
+
+def open_slot_data(slot_dir: str | os.PathLike, flags: int, *, create: bool = False) -> int:
+    """An fd of the slot's tensors.bin, after check_slot_private: opened without following a link,
+    a regular file of this user with one link (NotPrivate else); `create`: made (O_EXCL) when it
+    is not there."""
+    check_slot_private(slot_dir)
+    path = Path(slot_dir) / SLOT_DATA
+    return open_private_file(path, flags, create=create, remedy=_remedy(Path(slot_dir).parent))
 
 
 def slot_dir_name(index: int) -> str:
@@ -163,8 +219,11 @@ def read_slot_manifest(directory: str | os.PathLike) -> SlotManifest:
     """The slot's manifest. FileNotFoundError when it has none (being written, or retired), SlotError
     when it is not a valid one."""
     path = os.path.join(directory, SLOT_MANIFEST)
-    with open(path, "rb") as f:
-        return decode_slot_manifest(f.read(), path)
+    try:
+        data = fsio.read_regular_file(path, MANIFEST_MAX_BYTES)  # never a FIFO, a link or a file without end
+    except ValueError as exc:
+        raise SlotError(f"{exc}; the slot was not written by the trainer") from None
+    return decode_slot_manifest(data, path)
 
 
 def encode_slot_manifest(manifest: SlotManifest) -> bytes:
@@ -216,6 +275,15 @@ class Lease:
     reader: str  # a worker id: its status file in the spool is the lease's heartbeat
     pid: int
     host: str
+    start: int | None = None  # the process's start (protocol.leases.process_start): a reused pid differs
+    pidns: str | None = None  # its pid namespace: a pid means that process only inside it
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _lease_name(reader: str, pid: int) -> str:
@@ -223,19 +291,38 @@ def _lease_name(reader: str, pid: int) -> str:
 
 
 @contextlib.contextmanager
-def reading(slot_dir: str | os.PathLike, reader: str) -> Iterator[Lease]:
+def reading(slot_dir: str | os.PathLike, reader: str, refresh_s: float = DEFAULT_LEASE_S / 3) -> Iterator[Lease]:
     """Hold a reader's lease on `slot_dir` for the body: read the manifest and copy the tensors
-    inside it, never before it (the order is what makes a writer wait, see the module docstring)."""
-    readers = Path(slot_dir) / READERS
-    readers.mkdir(exist_ok=True)
-    lease = Lease(readers / _lease_name(reader, os.getpid()), reader, os.getpid(), socket.gethostname())
-    body = json.dumps({"reader": reader, "pid": lease.pid, "host": lease.host, "taken_at": time.time()}).encode()
+    inside it, never before it (the order is what makes a writer wait, see the module docstring).
+    The slot is checked to be private first (NotPrivate); the lease file is touched every
+    `refresh_s` while held, so a writer that judges it by its age sees it live."""
+    slot = Path(slot_dir)
+    check_slot_private(slot)
+    readers = slot / READERS
+    make_private_dir(readers, _remedy(slot.parent))
+    pid = os.getpid()
+    lease = Lease(
+        readers / _lease_name(reader, pid), reader, pid, socket.gethostname(), process_start(pid), _pid_namespace()
+    )
+    record = {"reader": reader, "pid": pid, "host": lease.host, "start": lease.start, "pidns": lease.pidns}
+    body = json.dumps(record | {"taken_at": time.time()}).encode()
     fsio.replace_atomic(lease.path, body, durable=False)  # tmpfs: nothing to make durable
+    stop = threading.Event()
+    keeper = threading.Thread(target=_keep_fresh, args=(lease.path, refresh_s, stop), name="slot-lease", daemon=True)
+    keeper.start()
     try:
         yield lease
     finally:
+        stop.set()
+        keeper.join()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lease.path)
+
+
+def _keep_fresh(path: Path, every_s: float, stop: threading.Event) -> None:
+    while not stop.wait(every_s):
+        with contextlib.suppress(OSError):  # released meanwhile by a judge: the writer has moved on
+            os.utime(path, follow_symlinks=False)
 
 
 def leases(slot_dir: str | os.PathLike) -> list[Lease]:
@@ -245,11 +332,21 @@ def leases(slot_dir: str | os.PathLike) -> list[Lease]:
         if not entry.name.endswith(LEASE_SUFFIX):
             continue
         try:
-            record = json.loads(entry.read_bytes())
-            found.append(Lease(entry, str(record["reader"]), int(record["pid"]), str(record["host"])))
+            record = json.loads(fsio.read_regular_file(entry, LEASE_MAX_BYTES))
+            start, pidns = record.get("start"), record.get("pidns")
+            found.append(
+                Lease(
+                    entry,
+                    str(record["reader"]),
+                    int(record["pid"]),
+                    str(record["host"]),
+                    int(start) if start is not None else None,
+                    str(pidns) if pidns is not None else None,
+                )
+            )
         except FileNotFoundError:
             continue  # dropped since the listing
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             reader, _, pid = entry.name.removesuffix(LEASE_SUFFIX).rpartition(".")
             found.append(Lease(entry, reader, int(pid) if pid.isdigit() else -1, ""))
     return found
@@ -274,6 +371,7 @@ class LeaseJudge:
         self.default_lease_s = default_lease_s
         self._watch = HeartbeatWatch(clock)
         self._host = socket.gethostname()
+        self._pidns = _pid_namespace()
 
     def held(self, slot_dir: str | os.PathLike) -> list[Lease]:
         """The live leases on `slot_dir`; dead ones are removed (and not returned)."""
@@ -297,8 +395,11 @@ class LeaseJudge:
         return {s.worker_id: (s, seen) for _, s, seen in self.spool.heartbeats() if s is not None}
 
     def _dead(self, lease: Lease, statuses: dict, fs_now) -> bool:
-        if lease.host == self._host and lease.pid > 0 and not process_exists(lease.pid):
-            return True  # its process is gone: nothing reads under it
+        if lease.host == self._host and lease.pid > 0 and lease.pidns in (None, self._pidns):
+            if lease.start is not None:  # judged by its process alone, however long it reads
+                return process_start(lease.pid) != lease.start  # gone, or the pid is another process's now
+            if not process_exists(lease.pid):
+                return True  # its process is gone: nothing reads under it
         if lease.reader in statuses:
             status, seen = statuses[lease.reader]
             return self.spool._workers_watch.dead(seen, status.lease_s)

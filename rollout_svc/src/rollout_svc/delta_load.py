@@ -43,6 +43,7 @@ import numpy as np
 
 from protocol import weight_delta, weights_chain
 from protocol.messages import ErrorCode
+from protocol.private_dirs import make_private_dir
 from protocol.weights_dir import (
     COPIED_FILES,
     MANIFEST,
@@ -233,7 +234,10 @@ class DeltaLoader:
         directories of earlier versions go first (the engine has loaded them already); a cache
         of the loader's own that lacks room for the weights (a container's /dev/shm is 64 MB by
         default) moves to the temporary directory."""
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if self._own_cache:  # in a shared /dev/shm or /tmp: made again private, never someone else's
+            make_private_dir(self.cache_dir)
+        else:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
         for old in self.cache_dir.iterdir():
             shutil.rmtree(old, ignore_errors=True)
         needed = sum(array.nbytes for array in self.held.tensors.values()) + 2**20

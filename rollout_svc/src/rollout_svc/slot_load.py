@@ -14,7 +14,12 @@ Guarantees:
   the manifest, then waits for leases). A manifest that changed or went between the inspection
   and the lease is `SlotChanged`: the caller loads again, as for a directory replaced under a load.
 - A copy whose sum differs from the manifest's checksum is refused (SlotChecksumMismatch): nothing
-  is loaded into the engine from it.
+  is loaded into the engine from it, and the request gets `weights_invalid` (`slot_corruption`
+  says why), a permanent error: sent again, the same bytes fail again.
+- Private: before the lease is taken and again before tensors.bin is mapped, the ring and the
+  slot must be directories of this user that nobody else can write, and tensors.bin a regular
+  file of this user with one link, opened without following a link (protocol.weight_slots); a
+  slot that fails is `weights_invalid`, naming the path, and nothing of it is mapped.
 """
 
 from __future__ import annotations
@@ -27,14 +32,19 @@ import warnings
 from collections.abc import Iterator
 
 from protocol import pinned_memory
+from protocol.messages import ErrorCode
+from protocol.private_dirs import NotPrivate
 from protocol.weight_slots import (
     SLOT_DATA,
     SlotError,
     SlotManifest,
     combine_sums,
+    open_slot_data,
     read_slot_manifest,
     reading,
 )
+
+from .errors import RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +60,13 @@ class SlotChecksumMismatch(RuntimeError):
 @contextlib.contextmanager
 def slot_lease(real: str, content_id: str, reader: str) -> Iterator[None]:
     """Hold a reader's lease on the slot `real` for the body, once its manifest still names
-    `content_id` under the lease (SlotChanged otherwise)."""
-    with reading(real, reader):
+    `content_id` under the lease (SlotChanged otherwise). A slot that is not private is refused
+    (weights_invalid) before any lease is taken."""
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(reading(real, reader))
+        except NotPrivate as exc:
+            raise RequestFailed(ErrorCode.WEIGHTS_INVALID, f"weight slot refused: {exc.strerror}") from None
         try:
             now = read_slot_manifest(real).content_id
         except (OSError, SlotError):
@@ -73,7 +88,7 @@ class MappedSlot:
 
         path = os.path.join(directory, SLOT_DATA)
         self.pin = None
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_slot_data(directory, os.O_RDONLY)  # the ring private, tensors.bin no link: NotPrivate else
         try:
             st = os.fstat(fd)
             self.identity = (st.st_ino, st.st_size)
@@ -94,7 +109,7 @@ class MappedSlot:
                 # mapping can be registered; it is only ever read here.
                 del self.view
                 self.mm.close()
-                fd = os.open(path, os.O_RDWR)
+                fd = open_slot_data(directory, os.O_RDWR)
                 try:
                     self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
@@ -125,7 +140,7 @@ class MappedSlot:
     def still(self, directory: str) -> bool:
         """Whether the file mapped is still the slot's tensors.bin, of the same size."""
         try:
-            st = os.stat(os.path.join(directory, SLOT_DATA))
+            st = os.lstat(os.path.join(directory, SLOT_DATA))
         except FileNotFoundError:
             return False
         return (st.st_ino, st.st_size) == self.identity
@@ -177,8 +192,31 @@ def check(data, manifest: SlotManifest, where: str) -> None:
     if got != manifest.checksum:
         raise SlotChecksumMismatch(
             f"{where}: the copy sums to {got}, the manifest says {manifest.checksum}; the slot was changed under "
-            "its reader or written wrongly"
+            "its reader or written wrongly: publish the weights again"
         )
+
+
+def slot_corruption(directory: str, manifest: SlotManifest) -> str | None:
+    """Why the slot cannot be loaded as it stands (not private, or its bytes do not sum to its
+    manifest's checksum), or None when it can: asked after a load failed, in the worker's own
+    process, so that a corrupt slot becomes a permanent weights_invalid rather than an engine
+    error sent again and again (the same bytes fail every time)."""
+    try:
+        slot = MappedSlot(directory, pin=False)
+    except NotPrivate as exc:
+        return f"weight slot refused: {exc.strerror}"
+    except OSError:
+        return None  # gone meanwhile: the caller's inspection says so
+    try:
+        if manifest.bytes > slot.view.numel():
+            return f"{directory}: tensors.bin holds {slot.view.numel()} bytes, its manifest names {manifest.bytes}"
+        try:
+            check(slot.view[: manifest.bytes], manifest, directory)
+        except SlotChecksumMismatch as exc:
+            return str(exc)
+        return None
+    finally:
+        slot.close()
 
 
 def tensors(data, manifest: SlotManifest) -> Iterator[tuple[str, object]]:

@@ -82,6 +82,8 @@ def train(
     except RewardFunctionError as exc:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     check_before_work(cfg)
+    from protocol.private_dirs import NotPrivate
+
     from .data import DataError
     from .rails.gates import GateRefused, check_config
     from .rollout_types import RolloutFailed, RolloutUnavailable
@@ -101,6 +103,8 @@ def train(
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except OutOfDeviceMemory as exc:
         raise _fail(exit_codes.OUT_OF_MEMORY, str(exc)) from None
+    except NotPrivate as exc:  # a weight-slot ring another user made or can change: publish.slots_dir to fix
+        raise _fail(exit_codes.USAGE, exc.strerror) from None
     except OSError as exc:
         from .weights.checkpoint import CheckpointWriteFailed
 

@@ -44,7 +44,7 @@ from protocol.weights_dir import ADAPTER_WEIGHTS, TOKENIZER_FILES, weights_conte
 from ..adapters import AdapterRef, Adapters, adapter_manifest
 from ..delta_load import DeltaLoader
 from ..errors import RequestFailed, require_content_id
-from ..slot_load import SlotChanged, slot_lease
+from ..slot_load import SlotChanged, slot_corruption, slot_lease
 from ..weights import (
     MAX_CONFIG_BYTES,
     MAX_TOKENIZER_BYTES,
@@ -268,6 +268,11 @@ class VllmEngine:
                         self.weights = live
                         self._holding_unknown_version()
                     raise _Replaced(Load(time.monotonic() - started, read)) from exc
+                corrupt = weights.slot is not None and slot_corruption(weights.real_path, weights.slot)
+                if corrupt:  # permanent: the same bytes fail again, so no engine is rebuilt for them
+                    if same_shape:
+                        self._holding_unknown_version()
+                    raise RequestFailed(ErrorCode.WEIGHTS_INVALID, corrupt) from exc
                 if not same_shape:
                     raise
                 # A failed reload or wake must not leave a broken engine behind.

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from protocol.weight_slots import is_slot
 from protocol.weights_dir import (
     COPIED_FILES,
     MANIFEST,
@@ -202,9 +204,16 @@ def save(
 
 def link_or_copy_tree(source: Path, dest: Path) -> None:
     """`dest` holds `source`'s files: hard links (no bytes written) where both are on one
-    filesystem, copies elsewhere. Published files are never changed in place, so a link is a copy."""
+    filesystem, copies elsewhere. Published files are never changed in place, so a link is a copy.
+    A weight slot's tensors.bin is rewritten in place (and its writer refuses one with a second
+    link), so a slot's regular files are copied, never linked, and its readers/ left out."""
     dest.mkdir()
+    slot = is_slot(source)
     for entry in sorted(Path(source).iterdir()):
+        if slot:
+            if stat.S_ISREG(entry.lstat().st_mode):
+                shutil.copyfile(entry, dest / entry.name)
+            continue
         try:
             os.link(entry, dest / entry.name)
         except OSError as exc:

@@ -12,6 +12,10 @@ Guarantees (protocol.weight_slots states the slot's; these are the writer's):
 - Never a slot in use: not one that a request in the spool's requests/ or claimed/ names (its
   weights must stay what the request's content id says), and not one a reader's lease holds (the
   manifest is removed first, then the leases are judged: LeaseJudge).
+- Private: the ring is made by this user with mode 0700 and checked before every write (a
+  directory of this user nobody else can write, tensors.bin a regular file of this user with one
+  link, opened without following links); a ring that fails is refused (NotPrivate, naming the
+  path and what to do) before a byte is written through it.
 - Bounded: `choose` waits at most `wait_s` for a free slot and returns None after that, for the
   caller to publish a directory instead (WeightSync does, saying so in the log).
 """
@@ -39,8 +43,11 @@ from protocol.weight_slots import (
     LeaseJudge,
     SlotError,
     SlotManifest,
+    check_slot_private,
     combine_sums,
     encode_slot_manifest,
+    make_ring,
+    open_slot_data,
     plan_layout,
     read_slot_manifest,
     ring_dir,
@@ -71,7 +78,7 @@ def slots_choice(cfg: Config) -> tuple[Path | None, str]:
         )
     need = cfg.publish.slots_count * _weights_bytes(Path(cfg.model.path))
     free = shutil.disk_usage(root).free if root.is_dir() else 0
-    free += sum(p.stat().st_size for p in ring_dir(root, cfg.run_dir).glob(f"*/{SLOT_DATA}"))  # a relaunch's own
+    free += sum(p.lstat().st_size for p in ring_dir(root, cfg.run_dir).glob(f"*/{SLOT_DATA}"))  # a relaunch's own
     if free < need:
         why = f"{root} has {free / 2**20:.0f} MiB free, the ring needs about {need / 2**20:.0f} MiB"
         if mode == "on":
@@ -137,9 +144,7 @@ class SlotRing:
         self.spool_dir = Path(spool_dir) if is_spool else None
         self.judge = LeaseJudge(Spool(spool_dir) if is_spool else None)
         self._maps: dict[Path, _Mapping] = {}
-        self.ring.mkdir(parents=True, exist_ok=True)
-        for index in range(count):
-            (self.ring / slot_dir_name(index)).mkdir(exist_ok=True)
+        make_ring(self.ring, count)  # private to this user, or refused (NotPrivate)
 
     @classmethod
     def for_run(cls, cfg: Config, ring: Path) -> SlotRing:
@@ -153,7 +158,7 @@ class SlotRing:
         """The slots holding complete weights, oldest write first."""
         found = []
         for slot in self.slots:
-            with contextlib.suppress(FileNotFoundError, SlotError):
+            with contextlib.suppress(OSError, SlotError):  # none, or not a regular file: no complete weights
                 found.append((slot, read_slot_manifest(slot)))
         return sorted(found, key=lambda pair: (pair[1].created_at or 0.0, pair[1].step))
 
@@ -228,6 +233,7 @@ class SlotRing:
         """Write `tensors` (in `dtype`; None: each its own) into `slot`, which `choose` returned,
         and its manifest last."""
         started = time.monotonic()
+        check_slot_private(slot)  # before anything is removed or written in it
         _retire(slot)  # choose did; a restore or a caller that skipped it must not leave the old manifest
         _copy_model_files(base_model, slot)
         target = {spec.name: dtype or spec.dtype for spec in tensors.specs}
@@ -271,6 +277,7 @@ class SlotRing:
         included, so requests naming it are served as before."""
         started = time.monotonic()
         manifest = read_slot_manifest(kept)
+        check_slot_private(slot)
         _retire(slot)
         _copy_model_files(kept, slot)
         mapping = self._mapping(slot, max(manifest.bytes, ALIGNMENT), pin=False)
@@ -302,8 +309,7 @@ class SlotRing:
     def _mapping(self, slot: Path, size: int, *, pin: bool) -> _Mapping:
         """tensors.bin of `slot`, `size` bytes, mapped (kept from the last write when the file is
         the same file of the same size)."""
-        path = slot / SLOT_DATA
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, fsio.FILE_MODE)
+        fd = open_slot_data(slot, os.O_RDWR, create=True)  # never through a link, never another user's file
         try:
             st = os.fstat(fd)
             known = self._maps.get(slot)
@@ -379,7 +385,7 @@ def _copy_model_files(source: Path, slot: Path) -> None:
         if not (source / name).is_file():
             continue
         data = (source / name).read_bytes()
-        with contextlib.suppress(FileNotFoundError):
-            if (slot / name).read_bytes() == data:
+        with contextlib.suppress(OSError, ValueError):  # none, larger, or not a regular file: replaced
+            if fsio.read_regular_file(slot / name, len(data)) == data:
                 continue
-        fsio.replace_atomic(slot / name, data, durable=False)
+        fsio.replace_atomic(slot / name, data, durable=False)  # a rename: replaces a link, never writes through it
