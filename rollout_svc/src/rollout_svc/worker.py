@@ -20,7 +20,8 @@ One bad file never stops the worker (errors.py sorts the OSErrors): a request fi
 be claimed, read or archived is left in requests/ (given back when it was claimed), logged once
 and skipped for a while (skipped.py) while the worker serves the others. ESTALE and EIO are
 tried again a few times first. Only the spool itself failing (requests/ unreadable after those
-retries) stops the worker, with CANNOT_WRITE (74).
+retries), or its filesystem refusing hard links (fsio.LinksUnsupported; `serve` checks that at
+start too), stops the worker, with CANNOT_WRITE (74).
 
 Each result's timings say what its engine call spent loading weights: seconds and bytes of
 weight files (0 and 0 when they were already loaded). The worker counts into the status file's
@@ -36,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import exit_codes
+from protocol.fsio import LinksUnsupported
 from protocol.messages import ErrorCode, MessageError, Request, Result, Timings, WorkerState
 from protocol.spool import Claim, ClaimLost, Spool, id_from_name, split_claimed_name
 from protocol.watch import Waker
@@ -311,7 +313,7 @@ class Worker:
             try:
                 job = self._accept(claim)
             except OSError as exc:
-                if is_full_disk(exc):
+                if is_full_disk(exc) or isinstance(exc, LinksUnsupported):
                     raise
                 self._set_aside([claim], exc, "cannot read or answer")
                 continue
@@ -336,7 +338,7 @@ class Worker:
             try:
                 self._publish(group, results)
             except OSError as exc:
-                if is_full_disk(exc):
+                if is_full_disk(exc) or isinstance(exc, LinksUnsupported):  # the spool's failure, not one file's
                     raise
                 self._set_aside([job.claim for job in group], exc, "cannot publish the result of")
         self._engine_state(self._resting())
