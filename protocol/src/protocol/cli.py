@@ -75,10 +75,17 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 @app.command()
 def init(spool_dir: Annotated[Path, typer.Argument(help="Directory to create the spool in.")]) -> None:
-    """Create the spool layout (tmp, requests, claimed, results, done, bad, workers)."""
-    from .spool import Spool
+    """Create the spool layout (tmp, requests, claimed, results, done, bad, workers), and check
+    that its filesystem makes hard links and renames files atomically."""
+    from .spool import Spool, SpoolError
+    from .spool_filesystem import check_filesystem
 
-    spool = Spool(spool_dir, create=True)
+    try:
+        spool = Spool(spool_dir, create=True)
+        check_filesystem(spool.root)
+    except SpoolError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"spool ready at {spool.root}")
 
 
@@ -120,18 +127,27 @@ def show(
     if not paths:
         typer.echo(f"error: no file of request {request_id!r} in {spool.root}", err=True)
         raise typer.Exit(1)
-    shown = {}
-    for path in paths:
-        try:
-            shown[str(path.relative_to(spool.root))] = json.loads(path.read_bytes())
-        except (OSError, ValueError) as exc:
-            shown[str(path.relative_to(spool.root))] = {"unreadable": str(exc)}
+    shown = {str(path.relative_to(spool.root)): _content(path) for path in paths}
     if as_json:
         _emit_json(shown)
         return
     for name, content in shown.items():
         typer.echo(f"== {name}")
         typer.echo(json.dumps(_summarise(content), indent=2))
+
+
+def _content(path: Path):
+    """A spool file's JSON, or {"unreadable": why}: never blocks on a FIFO, never follows a
+    symlink, never reads more than a result may hold, and survives any content (deep nesting included)."""
+    from .fsio import read_regular_file
+    from .spool_producer import MAX_RESULT_BYTES
+
+    try:
+        return json.loads(read_regular_file(path, MAX_RESULT_BYTES))
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        if isinstance(exc, RecursionError):
+            return {"unreadable": "nested too deeply to be a spool message"}
+        return {"unreadable": str(exc)}
 
 
 def _summarise(content):

@@ -6,7 +6,11 @@
 
 `wait` returns when every result is there. It raises `NoLiveWorker` within
 `no_worker_grace_s` when no worker heartbeat is fresh, and `ResultTimeout` at the deadline;
-both messages say which requests are pending and what to do.
+both messages say which requests are pending and what to do. No file in the spool makes it
+block past its deadline: a result file that is a FIFO, a link, too large or not a result is
+that request's `bad_result` error (its message names the file), and status files that do not
+read count as no worker. A spool on a filesystem without hard links or atomic rename is refused
+when the client is made (spool_filesystem.SpoolUnsupported).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .messages import Request, Result
+from .messages import ErrorCode, Request, Result
 from .spool import DEFAULT_LEASE_S, Spool, id_from_name, name_for_id, split_claimed_name
+from .spool_filesystem import check_filesystem
 from .watch import Waker
 
 
@@ -53,6 +58,7 @@ class SpoolClient:
         also give back claims of dead workers, so a wait does not depend on another worker's
         scan."""
         self.spool = Spool(root, create=create)
+        check_filesystem(self.spool.root)  # SpoolUnsupported where links or renames do not work
         self.poll = poll
         self.rescan_s = rescan_s
         self.no_worker_grace_s = no_worker_grace_s
@@ -119,8 +125,8 @@ class SpoolClient:
             for request_id, result in found.items():
                 results[request_id] = result
                 pending.discard(request_id)
-                if consume:
-                    self.spool.consume_result(request_id)
+                if consume and (result.ok or result.error.code != ErrorCode.BAD_RESULT):
+                    self.spool.consume_result(request_id)  # a bad_result's file stays for an operator
             if not pending:
                 return results
             waiting = sorted(pending)

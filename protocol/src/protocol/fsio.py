@@ -63,6 +63,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# What link() answers where the filesystem cannot make hard links at all (FAT says EPERM; for a
+# file this process just made, EPERM is no question of permission).
+LINK_UNSUPPORTED = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV})
+
+
+class LinksUnsupported(OSError):
+    """link() failed for want of hard links in the filesystem, not because of one file: every
+    publish there fails the same way."""
+
+
 def link_no_replace(scratch: Path, final: Path) -> bool:
     """Hard-link `scratch` to `final` unless `final` exists; always removes `scratch`.
 
@@ -78,24 +88,51 @@ def link_no_replace(scratch: Path, final: Path) -> bool:
         return True
     except FileExistsError:
         return _same_content(scratch, final)
+    except OSError as exc:
+        if exc.errno in LINK_UNSUPPORTED:
+            raise LinksUnsupported(
+                exc.errno, f"{exc.strerror} (its filesystem makes no hard links)", str(scratch), None, str(final)
+            ) from None
+        raise
     finally:
         os.unlink(scratch)
 
 
 def _same_content(a: Path, b: Path) -> bool:
-    """Whether two files hold the same bytes (False when either is gone)."""
+    """Whether two files hold the same bytes (False when either is gone or is not a regular
+    file: a FIFO planted under a result's name must not block the writer that meets it)."""
+    fds = []
     try:
-        if os.path.getsize(a) != os.path.getsize(b):
+        for path in (a, b):
+            fds.append(_open_regular(path))
+        if os.fstat(fds[0]).st_size != os.fstat(fds[1]).st_size:
             return False
-        with open(a, "rb") as fa, open(b, "rb") as fb:
-            while True:
-                chunk = fa.read(1 << 20)
-                if chunk != fb.read(1 << 20):
-                    return False
-                if not chunk:
-                    return True
-    except FileNotFoundError:
+        while True:
+            chunk = os.read(fds[0], 1 << 20)
+            if chunk != _read_exactly(fds[1], len(chunk)):
+                return False
+            if not chunk:
+                return True
+    except (FileNotFoundError, NotRegularFile):
         return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink under the final name is not our file
+            return False
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    chunks = []
+    while size > 0:
+        chunk = os.read(fd, min(size, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
 
 
 def publish(scratch_dir: Path, final: Path, data: bytes, *, replace: bool = False, durable: bool = True) -> bool:
@@ -131,12 +168,8 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     Raises NotRegularFile for FIFOs, devices, sockets and directories, and ValueError when the
     file is larger than allowed, without reading it all.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    fd = _open_regular(path)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-            raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
         chunks, left = [], max_bytes + 1
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
@@ -150,6 +183,22 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ValueError(f"{path} is larger than {max_bytes} bytes")
     return data
+
+
+def _open_regular(path: str | os.PathLike) -> int:
+    """An fd open for reading on the regular file `path`; never blocks, never follows a final
+    symlink (OSError ELOOP); NotRegularFile for anything else."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
+    return fd
 
 
 def replace_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:

@@ -23,4 +23,6 @@ def json_lines(path: str | Path, error: type[Exception]) -> Iterator[tuple[int, 
                 value = json.loads(line)
             except ValueError as exc:
                 raise error(f"{where}: not JSON ({exc})") from None
+            except RecursionError:
+                raise error(f"{where}: nested too deeply to be a row") from None
             yield number, where, value

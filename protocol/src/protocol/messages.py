@@ -55,6 +55,7 @@ class ErrorCode(str, enum.Enum):
     TOO_LARGE = "too_large"  # file bigger than the worker accepts
     NOT_A_FILE = "not_a_file"  # a symlink, directory or other non-regular entry in requests/
     UNREADABLE = "unreadable"  # the worker may not read the file (permissions)
+    BAD_RESULT = "bad_result"  # (a producer's reading) the result file is a FIFO, a link, too large or no result
     DEADLINE_EXPIRED = "deadline_expired"  # `deadline` passed before the work started
     WEIGHTS_NOT_FOUND = "weights_not_found"  # weights_dir missing or not a directory
     WEIGHTS_INVALID = "weights_invalid"  # weights_dir lacks config or safetensors, or is corrupt

@@ -95,6 +95,7 @@ class Spool(ProducerSide, WorkerSide, Liveness, Pruning):
         self.root = Path(root).absolute()
         self._workers_watch = HeartbeatWatch(clock)  # by status file name
         self._claims_watch = HeartbeatWatch(clock)  # claims without a readable status, by name
+        self._unreadable_statuses: set[str] = set()  # status files whose failure was logged
         for state in STATES:
             setattr(self, state, self.root / state)
         if create:

@@ -1,11 +1,17 @@
 """Worker status files and liveness: workers publish their status (its mtime is the heartbeat);
 observers judge by it which workers live (leases.py says how), which of them wait for work (a
 worker leaves the parts of a call to its idle peers), and give a dead worker's claims back to
-requests/."""
+requests/.
+
+A status file that does not read (a FIFO, a symlink, a device, past MAX_STATUS_BYTES) or does not
+decode is no worker: it never blocks a reader, never counts as live or idle, and its claims are
+judged by their own age; the first such failure of each file name is logged, not every scan.
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 
@@ -19,12 +25,15 @@ DEFAULT_LEASE_S = 30.0
 MAX_STATUS_BYTES = 2**20  # a status file is a few hundred bytes; a larger one is not a worker's
 WAITING_STATES = ("idle", "sleeping")  # a worker in these states takes the next request it finds
 
+log = logging.getLogger(__name__)
+
 
 class Liveness(SpoolLayout):
     """Spool methods for worker status files, heartbeats and the recovery of dead workers' claims."""
 
     _workers_watch: HeartbeatWatch  # by status file name; set by Spool.__init__
     _claims_watch: HeartbeatWatch  # claims without a readable status, by name; set by Spool.__init__
+    _unreadable_statuses: set[str]  # status file names whose failure was logged; set by Spool.__init__
 
     def write_status(self, status: WorkerStatus) -> None:
         # Not fsynced: it is rewritten every few seconds and only its freshness matters.
@@ -37,16 +46,23 @@ class Liveness(SpoolLayout):
             pass
 
     def statuses(self) -> list[tuple[Entry, WorkerStatus | None]]:
-        """Every status file with its decoded content (None when unreadable)."""
-        out = []
-        for entry in scan(self.workers):
-            if not entry.name.endswith(JSON_SUFFIX):
-                continue
-            try:
-                out.append((entry, decode_status(entry.path.read_bytes())))
-            except (OSError, MessageError):
-                out.append((entry, None))
-        return out
+        """Every status file with its decoded content (None when it does not read or decode)."""
+        entries = [entry for entry in scan(self.workers) if entry.name.endswith(JSON_SUFFIX)]
+        self._unreadable_statuses &= {entry.name for entry in entries}  # a name back later is logged again
+        return [(entry, self._read_status(entry)) for entry in entries]
+
+    def _read_status(self, entry: Entry) -> WorkerStatus | None:
+        """The status in `entry`, or None (logged once per file name) when there is none to read."""
+        try:
+            return decode_status(fsio.read_regular_file(entry.path, MAX_STATUS_BYTES))
+        except FileNotFoundError:
+            return None  # the worker stopped since the listing
+        except (OSError, ValueError) as exc:  # MessageError is a ValueError
+            if entry.name not in self._unreadable_statuses:
+                self._unreadable_statuses.add(entry.name)
+                why = exc.message if isinstance(exc, MessageError) else exc.strerror or str(exc)
+                log.warning("workers/%s is not a worker's status (%s); counted as no worker", entry.name, why)
+            return None
 
     def filesystem_now(self) -> float:
         """Now by the clock that stamps this spool's files (the file server's on NFS and sshfs,
@@ -91,9 +107,8 @@ class Liveness(SpoolLayout):
         for entry in scan(self.workers):
             if entry.name == own or not entry.name.endswith(JSON_SUFFIX):
                 continue
-            try:
-                status = decode_status(fsio.read_regular_file(entry.path, MAX_STATUS_BYTES))
-            except (OSError, ValueError, MessageError):  # gone, not a file, or not a status
+            status = self._read_status(entry)
+            if status is None:  # gone, not a file, or not a status
                 continue
             signature = (entry.mtime, entry.size, status.heartbeat_at)
             seen = self._workers_watch.look(entry.name, signature, lambda e=entry: fs_now() - e.mtime)

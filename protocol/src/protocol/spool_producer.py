@@ -3,11 +3,13 @@ consume them, and locate every file of a request id."""
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 from pathlib import Path
 
 from . import fsio
-from .messages import Request, Result, decode_result, encode_pretty, validate
+from .messages import ErrorCode, MessageError, Request, Result, decode_result, encode_pretty, validate
 from .spool_entries import name_for_id, split_claimed_name
 from .spool_layout import SpoolError, SpoolLayout
 
@@ -16,10 +18,14 @@ class RequestExists(SpoolError):
     """A request with this id is already in the spool."""
 
 
+MAX_RESULT_BYTES = 2**30  # a result file larger than this is no worker's (they cap what a request asks)
+
+
 def _read(path: Path) -> bytes | None:
-    """The content of `path`, or None when it is not there."""
+    """The content of `path`, or None when it is not there. Never blocks: a FIFO, a device, a
+    symlink or a file past MAX_RESULT_BYTES raises (fsio.read_regular_file)."""
     try:
-        return path.read_bytes()
+        return fsio.read_regular_file(path, MAX_RESULT_BYTES)
     except FileNotFoundError:
         return None
 
@@ -27,6 +33,40 @@ def _read(path: Path) -> bytes | None:
 def _read_listed(path: Path, listed: set[str]) -> bytes | None:
     """The content of `path` if a listing of its directory showed it and it is still there."""
     return _read(path) if path.name in listed else None
+
+
+def _unusable(request_id: str, where: str, why: str) -> Result:
+    """The error result a producer gets for a result file it cannot use; the file stays."""
+    return Result.failure(
+        request_id,
+        ErrorCode.BAD_RESULT,
+        f"{where} cannot be used as the result of {request_id}: {why}. No worker writes such a file: "
+        f"look at it, remove it, then `spoolctl requeue` the request (or submit it under a new id)",
+        finished_at=time.time(),
+    )
+
+
+def _result_of(request_id: str, where: str, read) -> Result | None:
+    """The result `read()` returns the bytes of (None when there is none), or a bad_result
+    error naming `where` when those bytes cannot be had or decoded."""
+    try:
+        data = read()
+    except fsio.NotRegularFile as exc:
+        return _unusable(request_id, where, exc.strerror)
+    except ValueError:
+        return _unusable(request_id, where, f"it is larger than {MAX_RESULT_BYTES} bytes")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return _unusable(request_id, where, "it is a symlink, not a regular file")
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return _unusable(request_id, where, f"this process may not read it ({exc.strerror})")
+        raise
+    if data is None:
+        return None
+    try:
+        return decode_result(data)
+    except MessageError as exc:
+        return _unusable(request_id, where, exc.message)
 
 
 class ProducerSide(SpoolLayout):
@@ -80,19 +120,24 @@ class ProducerSide(SpoolLayout):
     def read_results(self, request_ids: list[str], listing: dict[str, set[str]] | None = None) -> dict[str, Result]:
         """The results there are for `request_ids`, by id, from results/ or, once consumed,
         from done/. results/ is listed once (or `listing["results"]` is used) and only listed
-        names are opened; done/ is never listed (see protocol.spool's docstring)."""
+        names are opened; done/ is never listed (see protocol.spool's docstring). A result file
+        that is not a regular file, is too large or does not decode is that id's `bad_result`
+        error, the file left where it is; nothing here blocks or raises for a file's content."""
         found: dict[str, Result] = {}
         listed = listing["results"] if listing is not None else set(os.listdir(self.results))
         for request_id in request_ids:
-            data = _read_listed(self.result_path(request_id), listed)
-            if data is None:  # consumed, before or since the listing
-                data = _read(self.consumed_result_path(request_id))
-            if data is not None:
-                found[request_id] = decode_result(data)
+            path = self.result_path(request_id)
+            result = _result_of(request_id, f"results/{path.name}", lambda p=path: _read_listed(p, listed))
+            if result is None:  # consumed, before or since the listing
+                consumed = self.consumed_result_path(request_id)
+                result = _result_of(request_id, f"done/{consumed.name}", lambda p=consumed: _read(p))
+            if result is not None:
+                found[request_id] = result
         return found
 
     def consume_result(self, request_id: str) -> None:
-        """Move a read result out of results/ into done/, where pruning will find it."""
+        """Move a read result out of results/ into done/, where pruning will find it. (A
+        `bad_result` one a producer leaves in results/, for an operator to see.)"""
         try:
             os.rename(self.result_path(request_id), self.consumed_result_path(request_id))
         except FileNotFoundError:

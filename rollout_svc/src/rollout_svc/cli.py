@@ -195,6 +195,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from protocol.messages import WORKER_ID_PATTERN, is_valid_worker_id
     from protocol.spool import Spool, SpoolError
+    from protocol.spool_filesystem import check_filesystem
 
     from .engines import ENGINES, make_engine
     from .metrics import Metrics
@@ -233,6 +234,7 @@ def serve(
             raise typer.BadParameter(f"{root} is not a directory", param_hint="--allowed-root")
     try:
         spool_dir = Spool(spool, create=True)
+        check_filesystem(spool_dir.root)  # a filesystem without hard links would fail every result
     except (SpoolError, OSError) as exc:
         raise _usage_error(f"cannot use --spool {spool}: {exc}") from None
     if engine == "vllm" and not allowed_root:

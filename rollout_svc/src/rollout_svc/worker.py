@@ -20,7 +20,8 @@ One bad file never stops the worker (errors.py sorts the OSErrors): a request fi
 be claimed, read or archived is left in requests/ (given back when it was claimed), logged once
 and skipped for a while (skipped.py) while the worker serves the others. ESTALE and EIO are
 tried again a few times first. Only the spool itself failing (requests/ unreadable after those
-retries) stops the worker, with CANNOT_WRITE (74). Nor does one request's answer: a request
+retries, or its filesystem refusing hard links: fsio.LinksUnsupported, which `serve` checks at
+start too) stops the worker, with CANNOT_WRITE (74). Nor does one request's answer: a request
 asking more than `request_limits` is answered `request_too_large` before the engine sees it, and
 an answer that cannot be built, encoded or is too large becomes its request's error result while
 the rest of its batch is served (request_limits.py).
@@ -39,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import exit_codes
+from protocol.fsio import LinksUnsupported
 from protocol.messages import ErrorCode, MessageError, Request, Result, Timings, WorkerState
 from protocol.spool import Claim, ClaimLost, Spool, id_from_name, split_claimed_name
 from protocol.watch import Waker
@@ -316,7 +318,7 @@ class Worker:
             try:
                 job = self._accept(claim)
             except OSError as exc:
-                if is_full_disk(exc):
+                if is_full_disk(exc) or isinstance(exc, LinksUnsupported):
                     raise
                 self._set_aside([claim], exc, "cannot read or answer")
                 continue
@@ -342,7 +344,7 @@ class Worker:
             try:
                 self._publish(group, results)
             except OSError as exc:
-                if is_full_disk(exc):
+                if is_full_disk(exc) or isinstance(exc, LinksUnsupported):  # the spool's failure, not one file's
                     raise
                 self._set_aside([job.claim for job in group], exc, "cannot publish the result of")
         self._engine_state(self._resting())

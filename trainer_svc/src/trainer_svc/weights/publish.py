@@ -14,8 +14,10 @@ Guarantees:
 - prune_published never removes one of the newest `keep_last`, nor a directory that a request in
   the spool's `requests/` or `claimed/` names (same real path), nor a link the chain of one of
   those needs (a delta's links back to its anchor: protocol.weights_chain.needed). A request file
-  that cannot be parsed protects every directory whose name appears in its bytes; one that cannot
-  be read (or a listing that keeps changing) stops the prune. A request written while a prune
+  that cannot be parsed (deep nesting, not UTF-8, not JSON) protects every directory whose name
+  appears in its bytes; one that a worker refuses unread (a FIFO, a symlink, too large) names
+  nothing; one that cannot be read (or a listing that keeps changing) stops the prune
+  (protocol.spool_names). No request file raises out of a prune or blocks it. A request written while a prune
   runs is seen by a second scan, made once the candidates are out of sight and before anything is
   deleted: what it names is put back (a reader in that instant finds it missing for a moment).
 - discard_newer_than removes every step directory after a resumed checkpoint's step: those
@@ -27,7 +29,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping
@@ -37,7 +38,8 @@ from pathlib import Path
 import torch
 
 from protocol import weights_chain
-from protocol.fsio import fsync_dir, read_regular_file
+from protocol.fsio import fsync_dir
+from protocol.spool_names import weights_named as _named_by_spool  # slots.py asks it too
 from protocol.weights_dir import (
     STEP_PREFIX,
     ManifestError,
@@ -50,10 +52,6 @@ from protocol.weights_dir import (
 from ..distributed import Distributed
 from .atomic_dir import PARTIAL_SUFFIX, building, remove_stale_partials
 from .writer import TensorStream, write_weights_dir
-
-_SPOOL_STATES = ("requests", "claimed")  # where a request is pending or being served
-_MAX_REQUEST_BYTES = 64 * 2**20  # a worker refuses larger request files
-_SCAN_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -224,49 +222,3 @@ def _delete(aside: dict[Path, Path]) -> None:
     fsync_dir(next(iter(aside)).parent)
     for hidden in aside.values():
         shutil.rmtree(hidden, ignore_errors=True)
-
-
-def _named_by_spool(spool_dir: Path) -> tuple[set[str], list[bytes]] | None:
-    """Real paths that requests in requests/ and claimed/ name as weights_dir, and the raw bytes of
-    request files that do not parse. None when that cannot be known: a file that cannot be read, or
-    requests moving between states faster than the scan settles."""
-    for state in _SPOOL_STATES:
-        if not (spool_dir / state).is_dir():
-            raise FileNotFoundError(f"{spool_dir} is not a spool (no {state}/): pass the rollout spool, or None")
-    paths: set[str] = set()
-    raw: list[bytes] = []
-    previous = None
-    for _ in range(_SCAN_ROUNDS):
-        # A request moves requests/ -> claimed/ (claim) and back (a dead worker's lease): a file can
-        # slip past one listing of each. Scan until two rounds see the same files and none vanished.
-        seen, settled = set(), True
-        for state in _SPOOL_STATES:
-            for entry in (spool_dir / state).iterdir():
-                if not entry.name.endswith(".json"):
-                    continue
-                try:
-                    data = read_regular_file(entry, _MAX_REQUEST_BYTES)
-                except FileNotFoundError:
-                    settled = False  # moved on since the listing: it is somewhere the next round looks
-                    continue
-                except (OSError, ValueError):
-                    return None  # unreadable, not a regular file or too large: it might name anything
-                seen.add(entry.name.removesuffix(".json").split("@", 1)[0])
-                weights_dir = _weights_dir(data)
-                if weights_dir is None:
-                    raw.append(data)
-                else:
-                    paths.add(os.path.realpath(weights_dir))
-        if settled and seen == previous:
-            return paths, raw
-        previous = seen
-    return None
-
-
-def _weights_dir(data: bytes) -> str | None:
-    try:
-        request = json.loads(data)
-    except ValueError:
-        return None
-    value = request.get("weights_dir") if isinstance(request, dict) else None
-    return value if isinstance(value, str) and os.path.isabs(value) else None
