@@ -16,7 +16,6 @@ import threading
 
 import pytest
 
-from protocol import fsio
 from protocol.client import SpoolClient
 from protocol.jsonl import json_lines
 from protocol.messages import ErrorCode, Result
