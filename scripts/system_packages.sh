@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Debian packages the tests use beyond Python: systemd-analyze checks the systemd units;
 # sshfs (with an sshd of the tests' own) and bindfs mount the spool like a network filesystem;
-# mount (util-linux) makes the really full filesystems of the full-disk tests.
+# mount (util-linux) makes the really full filesystems of the full-disk tests; fusefat and
+# dosfstools mount a FAT image, a filesystem without hard links, for the spool's start check.
 # Installs what is missing where it can (root, or sudo without a password, and apt-get);
 # otherwise stops at once with one message naming the packages.
 set -euo pipefail
@@ -14,6 +15,8 @@ test -x /usr/sbin/sshd || missing+=(openssh-server)
 command -v bindfs >/dev/null || missing+=(bindfs)
 command -v fusermount3 >/dev/null || missing+=(fuse3)
 command -v mount >/dev/null || missing+=(mount)
+command -v fusefat >/dev/null || missing+=(fusefat)
+command -v mkfs.vfat >/dev/null || missing+=(dosfstools)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -eq 0 ]; then

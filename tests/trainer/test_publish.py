@@ -197,14 +197,26 @@ def test_a_request_written_while_the_prune_runs_keeps_its_weights(base, tmp_path
     verify(paths[2], checksums=True)  # whole, as the claiming worker reads it
 
 
-def test_prune_removes_nothing_when_a_request_cannot_be_read(base, tmp_path):
+def test_prune_removes_nothing_when_a_request_cannot_be_read(base, tmp_path, monkeypatch):
+    import protocol.spool_names
+
     publish_dir = tmp_path / "pub"
     publish_steps(publish_dir, base, range(1, 5))
     spool = make_spool(tmp_path / "spool")
-    (spool / "requests" / "odd.json").mkdir()  # not a regular file: it could name anything
-    assert prune_published(publish_dir, keep_last=1, spool_dir=spool) == []
+    (spool / "requests" / "odd.json").write_text("{}")
+    real = protocol.spool_names.read_regular_file
+
+    def refused(path, max_bytes):  # what a trainer outside the spool's group gets (root reads any mode)
+        if Path(path).name == "odd.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, max_bytes)
+
+    monkeypatch.setattr(protocol.spool_names, "read_regular_file", refused)
+    assert prune_published(publish_dir, keep_last=1, spool_dir=spool) == []  # it could name anything
     assert len(visible(publish_dir)) == 4
-    (spool / "requests" / "odd.json").rmdir()
+    monkeypatch.undo()
+    (spool / "requests" / "odd.json").unlink()
+    (spool / "requests" / "odd.json").mkdir()  # a worker refuses a directory unread: it names nothing
     assert len(prune_published(publish_dir, keep_last=1, spool_dir=spool)) == 3
 
 

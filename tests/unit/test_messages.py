@@ -199,6 +199,7 @@ def test_failure_result_carries_code_and_message():
 def test_error_codes_are_stable():
     """Scripts branch on these strings; renaming one breaks them."""
     assert {c.value for c in ErrorCode} == {
+        "bad_result",  # a producer's own: a result file it cannot use
         "bad_json", "invalid_request", "unsupported_schema", "id_mismatch", "too_large", "not_a_file",
         "unreadable", "deadline_expired", "weights_not_found", "weights_invalid", "weights_not_allowed",
         "prompt_too_long", "engine_error", "no_chat_template", "adapter_refused", "request_too_large",

@@ -28,6 +28,10 @@ Guarantees (each has a test in tests/unit/test_spool.py):
    publish.
 5. The directory listing is the truth: `pending()` scans, and file events only wake scanners.
 6. Every wait that involves this module is bounded (see client.py).
+7. No file in the spool blocks a reader or raises out of it: every spool file is read with
+   fsio.read_regular_file (no FIFO opened blocking, no final symlink followed, a size cap); a
+   status file that does not read is no worker, a result that does not is its id's `bad_result`
+   (tests/unit/test_hostile_spool_files.py, tests/e2e/test_hostile_spool_files.py).
 
 On a network filesystem (NFS, Lustre, CephFS, sshfs) several hosts share the spool, and three
 local habits fail there:
@@ -53,6 +57,8 @@ This module composes Spool from its parts and re-exports their names:
     spool_worker.py     pending, claim, load, publish results, finish, reject (WorkerSide)
     spool_liveness.py   worker status files, heartbeats, recovery of dead workers' claims
     spool_prune.py      pruning done/, tmp/ and dead workers' status files by age
+    spool_names.py      which weights the waiting and claimed requests name (for pruning weights)
+    spool_filesystem.py the start check: hard links and rename over a file work in the spool
 """
 
 from __future__ import annotations

@@ -45,13 +45,13 @@ def weights_named(spool_dir: Path) -> tuple[set[str], list[bytes]] | None:
     for state in STATES:
         if not (spool_dir / state).is_dir():
             raise FileNotFoundError(f"{spool_dir} is not a spool (no {state}/): pass the rollout spool, or None")
-    paths: set[str] = set()
-    raw: list[bytes] = []
     previous = None
     for _ in range(_SCAN_ROUNDS):
         # A request moves requests/ -> claimed/ (claim) and back (a dead worker's lease): a file can
         # slip past one listing of each. Scan until two rounds see the same files and none vanished.
         seen, settled = set(), True
+        paths: set[str] = set()
+        raw: list[bytes] = []
         for state in STATES:
             for name in os.listdir(spool_dir / state):
                 if not name.endswith(JSON_SUFFIX):

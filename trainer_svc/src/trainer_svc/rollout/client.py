@@ -18,7 +18,8 @@ samples do not depend on the failure), under the next id of its chain `<id>-r1`,
   process) at most `rollout.error_retries` times per request and launch, then the call stops
   (RolloutUnavailable, exit 69: relaunch);
 - permanent errors (a bad request, weights refused) stop the call at once (RolloutFailed, exit 2),
-  naming the request, the error and what to change;
+  naming the request, the error and what to change; so does `bad_result`, a file in results/ that
+  is no result (a FIFO, a symlink, junk), which the spool client reports naming the file;
 - an error result of a request an earlier launch sent is always sent again and does not count:
   its cause may be gone (the engine restarted, the worker's options fixed), so a relaunch never
   stops on an old result. The chain ids are deterministic, so a relaunch walks past the errors
