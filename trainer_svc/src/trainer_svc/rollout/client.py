@@ -48,6 +48,7 @@ from protocol.spool import split_claimed_name
 from ..config import Config
 from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket
 from .spawned_worker import SpawnedWorker
+from .waiting import WaitNotes
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,11 @@ class RolloutService:
 
     def _wait(self, ticket: Ticket, request_ids: list[str]) -> dict[str, Result]:
         try:
-            return self.client.wait(request_ids, timeout_s=self.cfg.rollout.timeout_s, on_poll=self._check_worker)
+            worker_log = self.worker.log_path if self.worker is not None else None
+            notes = WaitNotes(f"step {ticket.step}'s rollouts ({ticket.tag})", self.client.spool, worker_log)
+            return self.client.wait(
+                request_ids, timeout_s=self.cfg.rollout.timeout_s, on_poll=lambda: (self._check_worker(), notes())
+            )
         except ResultTimeout:
             raise RolloutUnavailable(
                 f"step {ticket.step} ({ticket.tag}, attempt {ticket.attempt}) has no complete answer after "

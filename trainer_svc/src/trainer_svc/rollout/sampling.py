@@ -298,6 +298,7 @@ def summarize(r: StepRollouts) -> dict:
         **({"accuracy": _mean(correct), "format_rate": _mean(well_formed)} if correct else {}),
         **{f"reward/{name}": value for name, value in r.reward_terms.items()},
         "response_length": sum(lengths) / len(lengths),
+        "generated_tokens": sum(len(s.token_ids) for g in r.groups for s in g.samples),
         "dead_groups": r.dead_initial,
         "dead_groups_after_retry": r.dead_final,
         "retries": r.retries,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +65,14 @@ def _mean_or_none(values: list[float]) -> float | None:
 
 
 class Progress:
-    """A tqdm bar on a terminal; nothing when stderr is a file (logs stay readable)."""
+    """A tqdm bar on a terminal. Where stderr is a file (nohup, systemd, a scheduler's log) a bar
+    would never draw: a log line per step instead, at most one every `every_s` seconds (the first
+    and the last step always), saying the step, its reward, accuracy and loss, its seconds, the
+    generated tokens per second and the phase it spent longest in."""
 
-    def __init__(self, total: int, initial: int):
-        self.bar = None
+    def __init__(self, total: int, initial: int, every_s: float = 10.0):
+        self.bar, self.total, self.every_s = None, total, every_s
+        self.last_line = float("-inf")
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -80,10 +85,34 @@ class Progress:
                 reward=f"{row['reward_mean']:.3f}", **accuracy, loss=f"{row['loss']:.3f}", refresh=False
             )
             self.bar.update(1)
+            return
+        now = time.monotonic()
+        first, last = self.last_line == float("-inf"), row["step"] >= self.total
+        if first or last or now - self.last_line >= self.every_s:
+            self.last_line = now
+            log.info("%s", step_line(row, self.total))
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+PHASES = ("rollout_s", "train_s", "publish_s", "save_s")
+
+
+def step_line(row: dict, total: int) -> str:
+    """`step 12/200: reward 0.431, accuracy 0.50, loss 0.012; 0.57 s (rollout 0.31 s the longest),
+    20514 generated tokens/s`: a step as a log line."""
+    accuracy = f", accuracy {row['accuracy']:.2f}" if "accuracy" in row else ""
+    slowest = max(PHASES, key=lambda k: row.get(k, 0.0))
+    rate = ""
+    if row.get("generated_tokens") and row.get("generate_s"):
+        rate = f", {row['generated_tokens'] / row['generate_s']:.0f} generated tokens/s"
+    return (
+        f"step {row['step']}/{total}: reward {row['reward_mean']:.3f}{accuracy}, loss {row['loss']:.3f}; "
+        f"{row.get('step_s', 0.0):.2f} s ({slowest.removesuffix('_s')} {row.get(slowest, 0.0):.2f} s the longest)"
+        f"{rate}"
+    )
 
 
 class Silent:
