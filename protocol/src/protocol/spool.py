@@ -31,7 +31,7 @@ Guarantees (each has a test in tests/unit/test_spool.py):
 7. No file in the spool blocks a reader or raises out of it: every spool file is read with
    fsio.read_regular_file (no FIFO opened blocking, no final symlink followed, a size cap); a
    status file that does not read is no worker, a result that does not is its id's `bad_result`
-   (tests/unit/test_hostile_spool_files.py, tests/e2e/test_hostile_spool_files.py).
+   (tests/unit/test_hostile_spool_reads.py, tests/e2e/test_hostile_spool_files.py).
 
 On a network filesystem (NFS, Lustre, CephFS, sshfs) several hosts share the spool, and three
 local habits fail there:

@@ -6,7 +6,7 @@ would fail as if it were one bad file, forever.
 `spoolctl init`, `rollout-svc serve` and every SpoolClient check once, at start, with a file of
 their own in tmp/, and refuse with one message naming what is missing.
 
-Guarantees (tests/unit/test_hostile_spool_files.py, tests/e2e/test_spool_filesystem.py):
+Guarantees (tests/unit/test_hostile_spool_reads.py, tests/e2e/test_spool_filesystem.py):
 - The check leaves no file behind, and raises only SpoolUnsupported (a SpoolError) for what the
   filesystem lacks; a probe file that cannot be written at all (a full disk, no permission)
   decides nothing: the spool's own writes report that as they do without the check.

@@ -1,7 +1,7 @@
 """Which weights the spool's waiting and claimed requests name, for a publisher that prunes old
 weights (a trainer must not delete what a request is about to load).
 
-Guarantees (tests/unit/test_hostile_spool_files.py):
+Guarantees (tests/unit/test_hostile_spool_reads.py):
 - No file in requests/ or claimed/ makes this raise or block: request files are read with
   fsio.read_regular_file (a FIFO, a device, a symlink or an oversized file is refused at once),
   and every decoding failure (deep nesting's RecursionError, bytes that are not UTF-8, not JSON)
