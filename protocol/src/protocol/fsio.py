@@ -125,6 +125,7 @@ def _same_content(a: Path, b: Path) -> bool:
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
+    """Up to `size` bytes from `fd`, fewer only at its end."""
     chunks = []
     while size > 0:
         chunk = os.read(fd, min(size, 1 << 20))
@@ -170,16 +171,9 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     """
     fd = _open_regular(path)
     try:
-        chunks, left = [], max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        data = _read_exactly(fd, max_bytes + 1)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise ValueError(f"{path} is larger than {max_bytes} bytes")
     return data
