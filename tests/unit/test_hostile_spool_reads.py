@@ -187,3 +187,25 @@ def test_a_worker_whose_spool_stops_making_links_exits_74_instead_of_skipping_fo
     message = next(r.getMessage() for r in caplog.records if "cannot use the spool" in r.getMessage())
     assert "makes no hard links" in message and "gave back 1 requests" in message
     assert spool.request_path("r1").exists()  # nothing lost: back in requests/
+
+
+def test_deep_json_in_a_weights_manifest_a_delta_header_or_a_fifo_manifest_is_a_clear_error(tmp_path):
+    """Files a worker reads from a weights directory, hostile: a manifest of 100,000 `[`, a FIFO
+    manifest (read without blocking) and a delta whose header nests as deep are refused with the
+    contract's own errors, never a RecursionError or a hang."""
+    from protocol import weight_delta
+    from protocol.weights_dir import ManifestError, read_manifest
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "manifest.json").write_bytes(b"[" * 100_000)
+    with pytest.raises(ManifestError, match="not a weights manifest"):
+        read_manifest(deep)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "manifest.json")
+    with pytest.raises(ManifestError, match="not a regular file"):
+        read_manifest(fifo)
+    header = b"[" * 100_000
+    with pytest.raises(weight_delta.DeltaInvalid):
+        weight_delta.decode(len(header).to_bytes(8, "little") + header)

@@ -247,5 +247,5 @@ def decode(data: bytes) -> ModelDelta:
                 raise ValueError(f"{name}: values of {parts['values'].dtype} for a {dtype} tensor")
             tensors[name] = TensorDelta(tuple(spec["shape"]), dtype, parts["indices"], parts["values"])
         return ModelDelta(metadata["base_id"], metadata["content_id"], tensors)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise DeltaInvalid(f"not an encoded weight delta ({type(exc).__name__}: {exc})") from None

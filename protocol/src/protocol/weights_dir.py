@@ -45,7 +45,11 @@ from typing import Annotated
 
 import msgspec
 
+from . import fsio
+
 MANIFEST = "manifest.json"
+MANIFEST_MAX_BYTES = 64 * 2**20  # a manifest lists files and checksums: kilobytes; a larger one is not a trainer's
+CONFIG_MAX_BYTES = 16 * 2**20  # a model's config.json
 STEP_PREFIX = "step_"
 # The tokenizer's files: what a worker reads to load (or recognise) the tokenizer.
 TOKENIZER_FILES = (
@@ -151,7 +155,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     """`data` as a Manifest; `where` (the file's path) names it in the error."""
     try:
         return msgspec.json.decode(data, type=Manifest)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ManifestError(
             f"{where} is not a weights manifest ({exc}); the directory was not written whole by the trainer "
             "or an import: write it again"
@@ -162,8 +166,13 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     """The manifest of `directory`. OSError when there is none (FileNotFoundError: the directory is
     incomplete or not a weights directory), ManifestError when it is not a valid one."""
     path = os.path.join(directory, MANIFEST)
-    with open(path, "rb") as f:
-        return decode_manifest(f.read(), path)
+    try:  # bounded, and never a FIFO (a link is followed: the caller's root check has judged its target)
+        data = fsio.read_regular_file(os.path.realpath(path), MANIFEST_MAX_BYTES)
+    except ValueError as exc:
+        raise ManifestError(f"{exc}; the directory was not written whole by the trainer or an import") from None
+    except fsio.NotRegularFile:
+        raise ManifestError(f"{path} is not a regular file; write the directory again") from None
+    return decode_manifest(data, path)
 
 
 def encode_manifest(manifest: Manifest, *, canonical: bool = False) -> bytes:
@@ -211,8 +220,8 @@ def weights_content_id(directory: str, shards: list[str] | tuple[str, ...] | Non
     if declared is not None:
         return declared
     digest = hashlib.sha256()
-    with open(os.path.join(directory, "config.json"), "rb") as f:
-        digest.update(f.read())
+    config = os.path.realpath(os.path.join(directory, "config.json"))
+    digest.update(fsio.read_regular_file(config, CONFIG_MAX_BYTES))  # bounded, never a FIFO
     for shard in shards if shards is not None else safetensors_shards(directory):
         st = os.stat(os.path.join(directory, shard))
         digest.update(f"{shard}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}".encode())

@@ -195,6 +195,13 @@ def check_band(cfg: Config) -> dict | None:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
         raise GateRefused("band", f"{manifest_path} is missing; make the band file with `trainer-svc band`") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        why = type(exc).__name__ if isinstance(exc, RecursionError) else exc
+        raise GateRefused(
+            "band", f"{manifest_path} cannot be read ({why}); make it again with `trainer-svc band`"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise GateRefused("band", f"{manifest_path} is not a band manifest; make it again with `trainer-svc band`")
     model = os.path.realpath(cfg.model.path)
     content = weights_content_id(model)
     if manifest.get("model") != model or manifest.get("content_id") != content:

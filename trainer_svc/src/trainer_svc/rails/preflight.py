@@ -29,8 +29,9 @@ def check_model_dir(path: Path) -> None:
         json.loads((path / "config.json").read_text())
     except FileNotFoundError:
         raise PreflightError(f"{path} has no config.json: not an HF model directory (model.path)") from None
-    except ValueError as exc:
-        raise PreflightError(f"{path}/config.json is not valid JSON ({exc}); fix it or change model.path") from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise PreflightError(f"{path}/config.json is not valid JSON ({why}); fix it or change model.path") from None
     if not any(path.glob("*.safetensors")):
         raise PreflightError(
             f"{path} (model.path) has no .safetensors weights (pickle checkpoints are not loaded); "

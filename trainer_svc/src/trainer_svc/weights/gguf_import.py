@@ -246,8 +246,8 @@ def _read_pin(path: Path) -> dict:
             or not isinstance(pin.get("files"), dict)
         ):
             raise ValueError("it needs a content_id string and a files object")
-    except (OSError, ValueError) as exc:
-        raise ImportFailed(f"pin file {path} is unreadable ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ImportFailed(f"pin file {path} is unreadable ({type(exc).__name__}: {exc})") from None
     return pin
 
 
