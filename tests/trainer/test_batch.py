@@ -13,6 +13,7 @@ from trainer_svc.learning.batch import (
     budget_count,
     collate,
     micro_batches,
+    pack,
     padded_tokens,
     rank_share,
     token_budget_split,
@@ -236,3 +237,15 @@ def test_a_token_budget_packs_short_sequences_together_and_long_ones_apart():
     assert (len(short), len(long)) == (4, 2)
     assert budget_count(batch, 16) == 3 and budget_count(batch, None) == 1
     assert [len(mb) for mb in token_budget_split(batch, 32, 4)] == [2, 2, 1, 1]  # split further: halves
+
+
+@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=8))
+@settings(max_examples=100, deadline=None)
+def test_a_packed_batch_holds_the_same_generated_targets_in_the_same_order(lengths):
+    batch = ragged_batch(lengths)
+    packed = pack(batch)
+    assert packed.input_ids.shape == (1, sum(lengths)) and packed.mask.shape == (1, sum(lengths) - 1)
+    starts = [sum(sorted(lengths)[:i]) for i in range(len(lengths))]
+    assert [int(packed.position_ids[0, s]) for s in starts] == [0] * len(lengths)  # positions restart
+    assert packed.targets[packed.mask.bool()].tolist() == batch.targets[batch.mask.bool()].tolist()
+    assert int(packed.mask.sum()) == int(batch.mask.sum())

@@ -149,3 +149,32 @@ def token_budget_split(batch: Batch, budget: int | None, count: int) -> list[Bat
     if len(spans) > count:
         raise ValueError(f"the budget of {budget} tokens needs {len(spans)} micro-batches, not {count}")
     return [batch.select(slice(a, b)).trimmed() for a, b in spans]
+
+
+@dataclass
+class Packed:
+    """A micro-batch's sequences back to back in one row, without padding: `input_ids` and
+    `position_ids` [1, T] (positions restart at 0 with each sequence, which is how the model's
+    attention tells them apart), `targets` and `mask` [1, T - 1]. The generated positions of the
+    packed row, in order, are those of the padded batch in row-major order, so a per-position
+    result over `mask` goes back with `padded_mask.masked_scatter`."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+def pack(batch: Batch) -> Packed:
+    """`batch` (right-padded) as one packed row (Packed). The last position of each sequence
+    predicts the next sequence's first token: it is never a generated position."""
+    lengths = batch.attention_mask.sum(dim=1)  # [N]
+    real = batch.attention_mask.bool()  # [N, L]
+    input_ids = batch.input_ids[real].unsqueeze(0)  # [1, T]
+    starts = torch.cumsum(lengths, dim=0) - lengths  # [N] where each sequence begins
+    flat = torch.arange(int(lengths.sum()), device=lengths.device)
+    position_ids = (flat - torch.repeat_interleave(starts, lengths)).unsqueeze(0)  # [1, T]
+    # A sequence's n - 1 predicting positions, then the boundary (0), except after the last one.
+    mask_rows = torch.cat([batch.mask, torch.zeros_like(batch.mask[:, :1])], dim=1)  # [N, L]: a 0 after the end
+    mask = mask_rows[real]  # [T]: position t of a sequence predicts its token t + 1 (0 at its last token)
+    return Packed(input_ids, position_ids, input_ids[:, 1:].clone(), mask[:-1].unsqueeze(0))
