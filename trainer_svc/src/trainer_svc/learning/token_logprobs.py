@@ -89,7 +89,6 @@ def sequence_logprobs(
     columns = mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions some sequence generated
     chosen = mask[:, columns]  # [N, K]
     tokens = batch.targets[:, columns][chosen]  # [M], in the row-major order of mask
-    math = compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
     lm = causal_lm(model)
     rows_per_chunk = chunk or chunk_rows(lm.config.vocab_size)
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "logits_to_keep": columns}
@@ -104,6 +103,7 @@ def sequence_logprobs(
     else:
         logits = model(**inputs).logits  # [N, K, V]
         where = chosen.nonzero()  # [M, 2]: rows are (sequence, column) pairs, gathered chunk by chunk
+        math = compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
         logp, entropy = chunked_logprobs(
             where, lambda idx: logits[idx[:, 0], idx[:, 1]], tokens, temperature, rows_per_chunk, math
         )
