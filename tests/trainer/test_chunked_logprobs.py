@@ -224,3 +224,23 @@ def test_the_adapter_off_reference_of_a_lora_policy_is_fused(model):
         ours = sequence_logprobs(reference, batch, TEMPERATURE, chunk=CHUNK)[0]
         theirs = whole_logits_logprobs(model, batch)[0]
     assert relative_difference(ours[on], theirs[on]) <= gamma2(max(VOCAB, int(batch.mask.numel())))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_one_pass_gradient_equals_autograds(dtype):
+    """grpo.logprob_grad against autograd through grpo.logprobs_and_entropy, in the logits' dtype:
+    within 2 gamma_V in float64 terms, and within one bf16 rounding (2^-8 relative) for bf16."""
+    from trainer_svc.learning.grpo import logprob_grad, logprob_stats
+
+    g = torch.Generator().manual_seed(9)
+    logits = (3 * torch.randn(17, VOCAB, generator=g)).to(dtype).requires_grad_()
+    tokens = torch.randint(0, VOCAB, (17,), generator=g)
+    upstream = torch.randn(17, generator=g, dtype=torch.float64).to(torch.promote_types(dtype, torch.float32))
+    logp, entropy = logprobs_and_entropy(logits, tokens, TEMPERATURE)
+    (expected,) = torch.autograd.grad((logp * upstream).sum(), logits)
+    stats_logp, stats_entropy, lse = logprob_stats(logits, tokens, TEMPERATURE)
+    assert torch.equal(stats_logp, logp.detach()) and torch.equal(stats_entropy, entropy)
+    ours = logprob_grad(logits.detach(), tokens, lse, upstream, TEMPERATURE)
+    assert ours.dtype == dtype
+    bound = gamma2(VOCAB) if dtype == torch.float64 else 2.0**-8
+    assert relative_difference(ours, expected) <= bound

@@ -124,6 +124,30 @@ def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float) -> 
     return logp, entropy
 
 
+def logprob_stats(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``logprobs_and_entropy`` without a graph, with the log-normaliser it computes on the way:
+    logits [..., V], tokens [...] -> (logp, H, lse) [...], float32 or wider. What the backward
+    pass of logp needs besides the logits is lse alone (``logprob_grad``)."""
+    with torch.no_grad():
+        scaled = _upcast(logits) / temperature
+        lse = torch.logsumexp(scaled, dim=-1)
+        logp = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+        entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+    return logp, entropy, lse
+
+
+def logprob_grad(logits: Tensor, tokens: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float) -> Tensor:
+    """The gradient of sum(grad_logp * logp) with respect to the logits, in their dtype:
+
+        d logp / d logits[v] = (1[v = token] - p_v) / temperature,   p = exp(logits / T - lse)
+
+    one pass over the logits (with ``logprob_stats``'s lse), instead of autograd's several."""
+    with torch.no_grad():
+        p = torch.exp(_upcast(logits) / temperature - lse.unsqueeze(-1))
+        onehot = torch.zeros_like(p).scatter_(-1, tokens.unsqueeze(-1), 1.0)
+        return ((onehot - p) * (grad_logp / temperature).unsqueeze(-1)).to(logits.dtype)
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref) per sampled token, elementwise, any shape.
 

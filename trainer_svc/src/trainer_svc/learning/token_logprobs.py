@@ -3,15 +3,15 @@
 The logits are a step's largest tensor: sequences x positions x vocabulary (49,152 to 151,936
 entries a position), and the log-softmax needs them in float32. Taken whole, as the trainer did
 before, a micro-batch of 512 sequences x 128 generated positions at SmolLM2's vocabulary asked
-for 12 GiB for the float32 copy alone, and kept it until the backward pass. Here the model's own
-output projection is applied to chunks of the generated positions' hidden states, about
-CHUNK_BYTES of float32 logits at a time, and each chunk is checkpointed
-(torch.utils.checkpoint): the forward keeps only the chunk's hidden states, the backward
-recomputes the chunk's logits, takes their gradient and frees them before the next chunk's. The
-cost is one more product with the output projection per generated position.
+for 12 GiB for the float32 copy alone, and kept it until the backward pass. Here the model's own output
+projection is applied to chunks of the generated positions' hidden states, about CHUNK_BYTES of
+float32 logits at a time, and each chunk keeps for the backward pass only its hidden states and
+its log-normaliser: the backward makes the chunk's logits again, takes their gradient in one pass
+(grpo.logprob_grad) and frees them before the next chunk's. The cost is one more product with
+the output projection per generated position.
 
     hidden [N, L, H] --(columns some sequence generated)--> [N, K, H] --(generated)--> [M, H]
-    per chunk of rows: logits = head(rows) [C, V] -> grpo.logprobs_and_entropy -> [C], [C]
+    per chunk of rows: logits = head(rows) [C, V] -> grpo.logprob_stats -> logp, entropy, lse [C]
 
 Guarantees (tests/trainer/test_chunked_logprobs.py, test_sequence_logprobs.py):
 - the log-probabilities, entropies and gradients equal those of the whole logits through
@@ -24,7 +24,8 @@ Guarantees (tests/trainer/test_chunked_logprobs.py, test_sequence_logprobs.py):
 The head runs inside the model's forward (it stands in for the output projection for that one
 call), so FSDP2's hooks see an ordinary forward. Models whose logits are more than the head's
 output (Gemma's soft-capping, Cohere's or Granite's scaling) are not in FUSED_MODEL_TYPES: their
-logits come from the model, [N, K, V] in the model's dtype, and only the float32 math is chunked.
+logits come from the model, [N, K, V] in the model's dtype, and only the float32 math is chunked
+(each chunk through torch.utils.checkpoint).
 """
 
 from __future__ import annotations
@@ -88,13 +89,12 @@ def sequence_logprobs(
     columns = mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions some sequence generated
     chosen = mask[:, columns]  # [N, K]
     tokens = batch.targets[:, columns][chosen]  # [M], in the row-major order of mask
-    math = compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
     lm = causal_lm(model)
     rows_per_chunk = chunk or chunk_rows(lm.config.vocab_size)
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "logits_to_keep": columns}
     if fusable(lm):
         head = lm.get_output_embeddings()
-        lm.set_output_embeddings(_LogprobHead(head, chosen, tokens, temperature, rows_per_chunk, math))
+        lm.set_output_embeddings(_LogprobHead(head, chosen, tokens, temperature, rows_per_chunk, compiled))
         try:
             out = model(**inputs).logits  # [M, 2]: (logp, entropy) of each generated position
         finally:
@@ -103,6 +103,7 @@ def sequence_logprobs(
     else:
         logits = model(**inputs).logits  # [N, K, V]
         where = chosen.nonzero()  # [M, 2]: rows are (sequence, column) pairs, gathered chunk by chunk
+        math = compiled_logprob_math() if compiled else grpo.logprobs_and_entropy
         logp, entropy = chunked_logprobs(
             where, lambda idx: logits[idx[:, 0], idx[:, 1]], tokens, temperature, rows_per_chunk, math
         )
@@ -110,18 +111,71 @@ def sequence_logprobs(
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)
 
 
+def head_logprobs(
+    rows: Tensor, head, tokens: Tensor, temperature: float, chunk: int, compiled: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(logp [M], entropy [M]) of `tokens` [M] under softmax(head(rows) / temperature), `chunk`
+    rows at a time. With gradients enabled each chunk is one _HeadChunk: its logits are made
+    again in the backward pass, where their gradient takes one pass (grpo.logprob_grad)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 row, got {chunk}")
+    stats, grad = compiled_head_math() if compiled else (grpo.logprob_stats, grpo.logprob_grad)
+    params = tuple(p for p in head.parameters() if p.requires_grad)
+    pieces = []
+    for start in range(0, max(rows.shape[0], 1), chunk):  # no rows: one empty chunk, still in the graph
+        part, part_tokens = rows[start : start + chunk], tokens[start : start + chunk]
+        if torch.is_grad_enabled() and (part.requires_grad or params):
+            pieces.append(_HeadChunk.apply(part, part_tokens, temperature, head, stats, grad, *params))
+        else:
+            pieces.append(stats(head(part), part_tokens, temperature)[:2])
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+
+
+class _HeadChunk(torch.autograd.Function):
+    """One chunk's (logp, entropy) from its hidden rows: the forward keeps the rows and the
+    log-normaliser (C numbers), not the logits [C, V]; the backward makes the logits again,
+    takes d logp / d logits in one pass and sends it through the head to the rows and the head's
+    parameters (given as inputs, so that autograd asks for their gradients)."""
+
+    @staticmethod
+    def forward(ctx, rows, tokens, temperature, head, stats, grad, *params):
+        with torch.no_grad():
+            logp, entropy, lse = stats(head(rows), tokens, temperature)
+        ctx.save_for_backward(rows, tokens, lse, *params)
+        ctx.temperature, ctx.head, ctx.grad = temperature, head, grad
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        rows, tokens, lse, *params = ctx.saved_tensors
+        wants_rows, wants_params = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
+        with torch.enable_grad():
+            hidden = rows.detach().requires_grad_(wants_rows)
+            logits = ctx.head(hidden)
+        grad_logits = ctx.grad(logits.detach(), tokens, lse, grad_logp, ctx.temperature)
+        wanted = ([hidden] if wants_rows else []) + [p for p, wants in zip(params, wants_params, strict=True) if wants]
+        found = iter(torch.autograd.grad(logits, wanted, grad_logits, allow_unused=True))
+        grad_rows = next(found) if wants_rows else None
+        return (grad_rows, None, None, None, None, None, *(next(found) if w else None for w in wants_params))
+
+
 class _LogprobHead(torch.nn.Module):
     """Stands in for a model's output projection during one forward: from the hidden states at
     the kept columns [N, K, H], the (logp, entropy) of each generated position, [M, 2]."""
 
-    def __init__(self, head, chosen: Tensor, tokens: Tensor, temperature: float, chunk: int, math: LogprobMath):
+    def __init__(self, head, chosen: Tensor, tokens: Tensor, temperature: float, chunk: int, compiled: bool):
         super().__init__()
         self.head = head
-        self.chosen, self.tokens, self.temperature, self.chunk, self.math = chosen, tokens, temperature, chunk, math
+        self.chosen, self.tokens, self.temperature, self.chunk, self.compiled = (
+            chosen, tokens, temperature, chunk, compiled
+        )  # fmt: skip
 
     def forward(self, hidden: Tensor) -> Tensor:
         rows = hidden[self.chosen]  # [M, H]
-        logp, entropy = chunked_logprobs(rows, self.head, self.tokens, self.temperature, self.chunk, self.math)
+        logp, entropy = head_logprobs(rows, self.head, self.tokens, self.temperature, self.chunk, self.compiled)
         return torch.stack([logp, entropy], dim=-1)
 
 
@@ -137,6 +191,12 @@ def fusable(lm) -> bool:
     """Whether `lm`'s logits are its output projection of the last hidden state alone."""
     kind = getattr(getattr(lm, "config", None), "model_type", None)
     return kind in FUSED_MODEL_TYPES and lm.get_output_embeddings() is not None
+
+
+@functools.cache
+def compiled_head_math():
+    # The forward's and the backward's pass over a chunk [C, V], each one fused kernel; C varies.
+    return torch.compile(grpo.logprob_stats, dynamic=True), torch.compile(grpo.logprob_grad, dynamic=True)
 
 
 @functools.cache
