@@ -118,3 +118,32 @@ def test_the_compiled_layers_and_logprob_math_equal_the_eager_ones(policy):
     pairs = zip(gradients_of(compiled, logp, batch), gradients_of(policy, eager_logp, batch), strict=True)
     for ours, theirs in pairs:
         assert_within(ours, theirs, bound)
+
+
+@pytest.mark.parametrize("chunk", [4, None])
+def test_a_packed_micro_batch_gives_the_padded_ones_logprobs_and_gradients(policy, chunk):
+    """The sequences back to back in one row, positions restarting with each (train.packing): the
+    per-token log-probabilities, entropies and gradients equal the padded batch's within the
+    float32 bound above; sequences never see each other (without the restarting positions the
+    model would read one long sequence, and the test would fail by far more than rounding)."""
+    batch = ragged_batch()
+    padded_logp, padded_entropy = sequence_logprobs(policy, batch, TEMPERATURE, chunk=chunk)
+    logp, entropy = sequence_logprobs(policy, batch, TEMPERATURE, chunk=chunk, packed=True)
+    on = batch.mask.bool()
+    bound = rounding_bound(policy, batch)
+    assert_logprobs_within(logp[on], padded_logp[on], bound)
+    assert_logprobs_within(entropy[on], padded_entropy[on], bound)
+    assert (logp[~on] == 0).all()
+    pairs = zip(gradients_of(policy, logp, batch), gradients_of(policy, padded_logp, batch), strict=True)
+    for ours, theirs in pairs:
+        assert_within(ours, theirs, bound)
+
+
+def test_packing_is_automatic_only_with_varlen_attention(policy):
+    from trainer_svc.learning.token_logprobs import use_packing
+
+    assert policy.config._attn_implementation == "sdpa"
+    assert not use_packing("auto", policy) and use_packing("on", policy) and not use_packing("off", policy)
+    varlen = copy.deepcopy(policy)
+    varlen.config._attn_implementation = "flash_attention_2"
+    assert use_packing("auto", varlen)

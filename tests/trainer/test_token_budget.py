@@ -30,3 +30,12 @@ def test_a_token_budget_splits_the_step_further_and_trains_as_without_it(warm_mo
     assert all(row["micro_batches"] > 2 * 2 for row in budgeted), [row["micro_batches"] for row in budgeted]
     for a, b in zip(plain, budgeted, strict=True):
         assert {k: b[k] for k in COMPARED} == pytest.approx({k: a[k] for k in COMPARED}, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_on_packed_micro_batches_trains_as_one_on_padded_ones(warm_model, tmp_path):
+    shape = {"steps": 3, "grad_accum": 2, "updates_per_batch": 2}
+    padded = rows(make_config(tmp_path / "padded", warm_model, train={**shape, "packing": "off"}))
+    packed = rows(make_config(tmp_path / "packed", warm_model, train={**shape, "packing": "on"}))
+    for a, b in zip(padded, packed, strict=True):
+        assert {k: b[k] for k in COMPARED} == pytest.approx({k: a[k] for k in COMPARED}, rel=1e-4, abs=1e-6)

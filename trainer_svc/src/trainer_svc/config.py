@@ -142,6 +142,10 @@ class TrainConfig(Struct):
     # sorted by length, are cut into as many micro-batches as that takes (and at least grad_accum).
     # None: no limit beyond grad_accum. The loss does not change with the split.
     max_tokens_per_micro_batch: Positive | None = None
+    # A micro-batch's sequences through the model back to back, without padding: auto packs where
+    # the attention is a varlen kernel (flash_attention_2 or 3); sdpa and eager would need a dense
+    # mask of the packed row, so there the sequences are sorted by length instead. on, off: always, never.
+    packing: Literal["auto", "on", "off"] = "auto"
     # Optimizer steps per batch of rollouts (PPO-style minibatches): the step's sequences are
     # split into this many parts, one update each, so later parts see a policy that moved and
     # the clipped ratio acts. 1: one update, whose ratio is exactly 1.

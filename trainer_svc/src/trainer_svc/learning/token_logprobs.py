@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from . import grpo
-from .batch import Batch
+from .batch import Batch, pack
 
 CHUNK_BYTES = 256 * 2**20  # float32 logits a chunk (the chunk's transient peak is about 4x this)
 # Architectures whose logits are exactly the output projection of the last hidden state.
@@ -79,19 +79,29 @@ def chunked_logprobs(
 
 
 def sequence_logprobs(
-    model, batch: Batch, temperature: float, compiled: bool = False, chunk: int | None = None
+    model, batch: Batch, temperature: float, compiled: bool = False, chunk: int | None = None, packed: bool = False
 ) -> tuple[Tensor, Tensor]:
     """(logprobs [N, L-1], entropy [N, L-1]) of each target token under `model`; 0 at the
     positions whose token was not generated. `chunk`: rows a chunk (default: chunk_rows of the
     vocabulary). The entropy is a statistic, computed without a graph. `compiled`: the float32
-    math through torch.compile (one fused kernel per pass over a chunk)."""
+    math through torch.compile (one fused kernel per pass over a chunk). `packed`: the sequences
+    go through the model back to back in one row (batch.pack), no padding computed; the model's
+    attention keeps them apart by their restarting positions (use_packing says where it can)."""
     mask = batch.mask.bool()  # [N, L-1]
-    columns = mask.any(dim=0).nonzero().squeeze(-1)  # [K] positions some sequence generated
-    chosen = mask[:, columns]  # [N, K]
-    tokens = batch.targets[:, columns][chosen]  # [M], in the row-major order of mask
+    if packed:
+        row = pack(batch)
+        source = row.mask.bool()  # [1, T-1]: its generated positions are mask's, in the same order
+        inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids, "use_cache": False}
+        targets = row.targets
+    else:
+        source, targets = mask, batch.targets
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    columns = source.any(dim=0).nonzero().squeeze(-1)  # [K] positions some sequence generated
+    chosen = source[:, columns]  # [rows, K]
+    tokens = targets[:, columns][chosen]  # [M], in the row-major order of mask
     lm = causal_lm(model)
     rows_per_chunk = chunk or chunk_rows(lm.config.vocab_size)
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "logits_to_keep": columns}
+    inputs["logits_to_keep"] = columns
     if fusable(lm):
         head = lm.get_output_embeddings()
         lm.set_output_embeddings(_LogprobHead(head, chosen, tokens, temperature, rows_per_chunk, compiled))
@@ -203,3 +213,17 @@ def compiled_head_math():
 def compiled_logprob_math() -> LogprobMath:
     # One fused kernel per pass over a chunk [C, V] instead of one per elementwise op; C varies.
     return torch.compile(grpo.logprobs_and_entropy, dynamic=True)
+
+
+# Attention that takes packed rows without a dense mask: varlen kernels. sdpa and eager take them
+# too, through a [T, T] mask per row, which for a micro-batch of many long sequences costs more
+# than the padding it saves: there the sequences are sorted by length instead (train.packing = "on"
+# forces packing anyway).
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def use_packing(setting: str, model) -> bool:
+    """Whether train.packing (`auto`, `on`, `off`) packs micro-batches for `model`."""
+    if setting != "auto":
+        return setting == "on"
+    return getattr(causal_lm(model).config, "_attn_implementation", None) in VARLEN_ATTENTION

@@ -27,7 +27,7 @@ from ..rollout_types import Group
 from . import corrections, grpo, policy_losses
 from .batch import Batch, budget_count, collate, micro_batches, rank_share, token_budget_split
 from .model import compile_enabled
-from .token_logprobs import sequence_logprobs
+from .token_logprobs import sequence_logprobs, use_packing
 
 # What a step that generated no tokens reports: there is no loss to take.
 _NOTHING_LEARNED = {
@@ -68,7 +68,8 @@ class StepTotals:
 
 @torch.no_grad()
 def old_logprobs(model, micro: list[Batch], cfg: Config, compiled: bool = False) -> list[torch.Tensor]:
-    return [sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)[0] for mb in micro]
+    packed = use_packing(cfg.train.packing, model)
+    return [sequence_logprobs(model, mb, cfg.rollout.temperature, compiled, packed=packed)[0] for mb in micro]
 
 
 def learn(policy: Policy, groups: list[Group], advantages: torch.Tensor, cfg: Config, dist_info: Distributed) -> dict:
@@ -142,7 +143,8 @@ def _micro_batch_loss(
         step_sequences=totals.sequences,
         max_tokens=cfg.rollout.max_tokens,
     )
-    logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature, compiled)
+    packed = use_packing(cfg.train.packing, model)
+    logp, entropy = sequence_logprobs(model, mb, cfg.rollout.temperature, compiled, packed=packed)
     old = logp.detach() if old is None else old
     log_r = corrections.log_ratio(old, mb.rollout_logprobs, mb.mask)
     c, changed = corrections.correction_weights(
