@@ -336,6 +336,7 @@ def test_the_banner_records_what_the_run_starts_from(warm_model, tmp_path):
         "G": 4,
         "max_response_len": 4,
         "loss_denominator": "token",
+        "policy_loss": "clip (clip 0.2, 0.28)",
         "optimizer_steps": 2,
         "grad_accum": 2,
         "ahead": 0,

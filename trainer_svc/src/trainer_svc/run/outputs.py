@@ -87,7 +87,7 @@ class Progress:
             self.bar.update(1)
             return
         now = time.monotonic()
-        first, last = self.last_line == float("-inf"), row["step"] >= self.total
+        first, last = self.last_line == float("-inf"), row.get("step", 0) >= self.total
         if first or last or now - self.last_line >= self.every_s:
             self.last_line = now
             log.info("%s", step_line(row, self.total))
@@ -104,12 +104,13 @@ def step_line(row: dict, total: int) -> str:
     """`step 12/200: reward 0.431, accuracy 0.50, loss 0.012; 0.57 s (rollout 0.31 s the longest),
     20514 generated tokens/s`: a step as a log line."""
     accuracy = f", accuracy {row['accuracy']:.2f}" if "accuracy" in row else ""
+    reward, loss = row.get("reward_mean", float("nan")), row.get("loss", float("nan"))  # any row a caller logs
     slowest = max(PHASES, key=lambda k: row.get(k, 0.0))
     rate = ""
     if row.get("generated_tokens") and row.get("generate_s"):
         rate = f", {row['generated_tokens'] / row['generate_s']:.0f} generated tokens/s"
     return (
-        f"step {row['step']}/{total}: reward {row['reward_mean']:.3f}{accuracy}, loss {row['loss']:.3f}; "
+        f"step {row.get('step', '?')}/{total}: reward {reward:.3f}{accuracy}, loss {loss:.3f}; "
         f"{row.get('step_s', 0.0):.2f} s ({slowest.removesuffix('_s')} {row.get(slowest, 0.0):.2f} s the longest)"
         f"{rate}"
     )
