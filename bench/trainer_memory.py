@@ -44,9 +44,12 @@ SHAPES = {
 MATHS = ("whole", "chunked")
 
 
-def whole_logits_logprobs(model, batch, temperature: float, compiled: bool = False):
-    """The trainer's sequence_logprobs before chunking: every generated column's logits at once."""
+def whole_logits_logprobs(model, batch, temperature: float, compiled: bool = False, packed: bool = False):
+    """The trainer's sequence_logprobs before chunking: every generated column's logits at once
+    (padded micro-batches: the bench sets train.packing = "off" for both maths)."""
     import torch
+
+    assert not packed, "the whole-logits math takes padded micro-batches"
 
     from trainer_svc.learning import grpo, token_logprobs
 
@@ -129,7 +132,7 @@ def run(args, length: int, math: str, compiled: bool, checkpointing: bool) -> di
                 "compile": "on" if compiled else "off",
             },
             "rollout": {"max_tokens": length, "temperature": 1.0},
-            "train": {"steps": 1000, "grad_accum": args.micro_batches},
+            "train": {"steps": 1000, "grad_accum": args.micro_batches, "packing": "off"},
         },
         Config,
     )
