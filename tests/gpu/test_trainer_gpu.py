@@ -97,8 +97,11 @@ def check_learned(run_dir: Path, done: subprocess.CompletedProcess) -> None:
     assert len(rows(run_dir)) == STEPS and gain(run_dir) > 0.08, summary("run", run_dir)
     result = json.loads((run_dir / "stage_result.json").read_text())
     assert result["finished"] and result["summary"]["mismatch_max"] < 1e-2  # float32 engine and trainer agree
-    served = {json.loads(p.read_text())["weights_dir"] for p in (run_dir / "spool" / "done").glob("*.result.json")}
-    assert str(run_dir / "weights" / f"step_{STEPS - 1:08d}") in served  # the published weights were served
+    results = [json.loads(p.read_text()) for p in (run_dir / "spool" / "done").glob("*.result.json")]
+    # The published weights were served: a directory, or (beside a spawned worker, the default) a
+    # slot; either way a content id of the run's step STEPS - 1 (protocol.weights_dir.step_content_id).
+    published = f"{run_dir.name}-step_{STEPS - 1:08d}-"
+    assert any(r["weights_content_id"].startswith(published) for r in results), {r["weights_dir"] for r in results}
     assert os.listdir(run_dir / "spool" / "claimed") == [] and not list((run_dir / "spool" / "workers").iterdir())
 
 

@@ -149,9 +149,9 @@ def test_an_eval_job_through_the_spool(worker, models, tmp_path):
     assert run.returncode == 0
     assert re.search(r"4 prompts in [\d.]+ s, accuracy [\d.]+", run.stdout)
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [w["question"] for w in written] == [r["question"] for r in rows]
-    for row in written:
-        assert row["prompt"] == row["question"] and row["gold"] == row["answer"].removeprefix("#### ")
+    assert [w["prompt"] for w in written] == [r["question"] for r in rows]  # the prompt as sent
+    for row, given in zip(written, rows, strict=True):
+        assert row["gold"] == given["answer"].removeprefix("#### ")
         assert len(row["completions"]) == 1 and isinstance(row["completions"][0], str)
         assert len(row["predicted"]) == 1 and len(row["correct"]) == 1
 
