@@ -39,3 +39,26 @@ def test_a_run_on_packed_micro_batches_trains_as_one_on_padded_ones(warm_model, 
     packed = rows(make_config(tmp_path / "packed", warm_model, train={**shape, "packing": "on"}))
     for a, b in zip(padded, packed, strict=True):
         assert {k: b[k] for k in COMPARED} == pytest.approx({k: a[k] for k in COMPARED}, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_on_packed_micro_batches_by_a_token_budget_resumes_exactly(warm_model, tmp_path):
+    """Packing on and a token budget: a run stopped at every step (a wall-clock limit below one
+    step) and relaunched takes exactly the steps of the run never stopped."""
+    shape = {"steps": 4, "grad_accum": 2, "packing": "on", "max_tokens_per_micro_batch": 24}
+    expected = [without_timings(r) for r in rows(make_config(tmp_path / "straight", warm_model, train=shape))]
+    cfg = make_config(tmp_path / "stopped", warm_model, train=shape, run={"max_wall_seconds": 1e-6})
+    codes = []
+    while not codes or codes[-1] == exit_codes.RESUMABLE_STOP:
+        codes.append(train(cfg, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)))
+        assert len(codes) <= 5
+    assert codes == [exit_codes.RESUMABLE_STOP] * 3 + [exit_codes.OK]
+    lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [without_timings(json.loads(line)) for line in lines if line] == expected
+
+
+TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
+
+
+def without_timings(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING_KEYS}
