@@ -61,3 +61,13 @@ def warm_model(tiny_model, tmp_path_factory) -> Path:
     )
     run_sft(cfg)
     return out
+
+
+@pytest.fixture
+def base(tmp_path) -> Path:
+    """A base model directory as a publish copies it: config and tokenizer, no weights."""
+    path = tmp_path / "base"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "llama"}\n')
+    (path / "tokenizer.json").write_text("{}\n")
+    return path

@@ -31,15 +31,6 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return {"model.embed_tokens.weight": torch.randn(16, 8, generator=g), "model.norm.weight": torch.randn(8)}
 
 
-@pytest.fixture
-def base(tmp_path) -> Path:
-    path = tmp_path / "base"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "llama"}\n')
-    (path / "tokenizer.json").write_text("{}\n")
-    return path
-
-
 def plant_hostile_requests(spool: Spool, which: str) -> None:
     (spool.requests / "deep.json").write_bytes(b"[" * 100_000)
     if which == "deep":

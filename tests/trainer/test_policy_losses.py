@@ -12,7 +12,7 @@ from conftest import make_config
 from local_sampler import TorchSampler
 
 from protocol import exit_codes
-from trainer_svc.config import LossConfig
+from trainer_svc.config import POLICY_CLIPS, LossConfig
 from trainer_svc.learning import grpo
 from trainer_svc.learning.policy_losses import cispo_loss, gspo_loss, policy_loss
 from trainer_svc.run.loop import train
@@ -71,7 +71,7 @@ def test_with_ratio_one_every_policy_gives_the_same_gradient():
     grads = {}
     for kind in ("clip", "gspo", "cispo"):
         logp = base.clone().requires_grad_(True)
-        low, high = {"clip": (0.2, 0.28), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}[kind]
+        low, high = POLICY_CLIPS[kind]
         loss, _ = policy_loss(kind, logp, base.detach(), advantages, weights, low, high)
         loss.backward()
         grads[kind] = logp.grad

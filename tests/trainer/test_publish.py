@@ -43,15 +43,6 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture
-def base(tmp_path) -> Path:
-    path = tmp_path / "base"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "llama"}\n')
-    (path / "tokenizer.json").write_text("{}\n")
-    return path
-
-
 def publish_steps(publish_dir: Path, base: Path, steps) -> dict[int, Path]:
     return {step: publish(step, weights(step), publish_dir=publish_dir, base_model=base).path for step in steps}
 

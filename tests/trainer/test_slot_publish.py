@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -40,15 +39,6 @@ def weights(step: int) -> dict[str, torch.Tensor]:
         "model.norm.weight": torch.randn(33, generator=g).to(torch.bfloat16),  # 66 bytes: not whole words
         "model.layers.0.mlp.up_proj.weight": torch.randn(40, 33, generator=g),
     }
-
-
-@pytest.fixture
-def base(tmp_path) -> Path:
-    path = tmp_path / "base"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "llama"}\n')
-    (path / "tokenizer.json").write_text("{}\n")
-    return path
 
 
 def write(ring: SlotRing, step: int, base: Path) -> Path:

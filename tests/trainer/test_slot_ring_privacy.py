@@ -25,15 +25,6 @@ NOBODY = 65534
 
 
 @pytest.fixture
-def base(tmp_path) -> Path:
-    path = tmp_path / "base"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "llama"}\n')
-    (path / "tokenizer.json").write_text("{}\n")
-    return path
-
-
-@pytest.fixture
 def victim(tmp_path) -> Path:
     path = tmp_path / "victim.txt"
     path.write_bytes(VICTIM_TEXT)

@@ -107,18 +107,22 @@ def padded_tokens(batch: Batch) -> int:
     return len(batch) * int(batch.attention_mask.sum(dim=1).max()) if len(batch) else 0
 
 
+def _budget_cuts(lengths: list[int], budget: int | None) -> list[int]:
+    """Where each micro-batch of sequences of `lengths` (ascending) starts when each holds at most
+    `budget` padded tokens; a sequence longer than the budget alone makes one. None: one."""
+    cuts, held = [0], 0
+    for i, length in enumerate(lengths):  # ascending: the newest sequence is the longest of its micro-batch
+        if budget is not None and held and (held + 1) * length > budget:
+            cuts.append(i)
+            held = 0
+        held += 1
+    return cuts
+
+
 def budget_count(batch: Batch, budget: int | None) -> int:
     """How many micro-batches `batch` (sorted by length, shortest first) needs so that each holds at
     most `budget` padded tokens; a sequence longer than the budget alone makes one. None: 1."""
-    if budget is None or not len(batch):
-        return 1
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    count, held = 1, 0
-    for length in lengths:  # ascending: the newest sequence is the longest of its micro-batch
-        if held and (held + 1) * length > budget:
-            count, held = count + 1, 0
-        held += 1
-    return count
+    return len(_budget_cuts(batch.attention_mask.sum(dim=1).tolist(), budget)) if len(batch) else 1
 
 
 def token_budget_split(batch: Batch, budget: int | None, count: int) -> list[Batch]:
@@ -129,12 +133,7 @@ def token_budget_split(batch: Batch, budget: int | None, count: int) -> list[Bat
     if count > len(batch):
         raise ValueError(f"{len(batch)} sequences cannot make {count} micro-batches")
     lengths = batch.attention_mask.sum(dim=1).tolist()
-    cuts, held = [0], 0  # start of each micro-batch
-    for i, length in enumerate(lengths):
-        if budget is not None and held and (held + 1) * length > budget:
-            cuts.append(i)
-            held = 0
-        held += 1
+    cuts = _budget_cuts(lengths, budget)
     spans = [[a, b] for a, b in zip(cuts, [*cuts[1:], len(batch)], strict=True)]
 
     def cost(span: list[int]) -> tuple[int, int]:  # padded tokens (the last is the longest), sequences
