@@ -1,6 +1,6 @@
 """The memory gate's arithmetic and refusal on the CPU, with the device's measurement given as a
-line (bytes = fixed + per_token x tokens, as a training pass's peak grows); the GPU tier runs it
-on a device (tests/gpu/test_trainer_gpu.py)."""
+line (bytes = fixed + per_token x tokens, as a training pass's peak grows with the micro-batch's
+sequences of the longest length); the GPU tier runs it on a device (tests/gpu/test_memory_gate_gpu.py)."""
 
 from __future__ import annotations
 
@@ -48,13 +48,15 @@ def test_the_budget_is_set_from_the_measured_cost_of_a_token(policy, warm_model,
     per_token, fixed = available / 10_000, 2**20
     cfg = make_config(tmp_path / "run", warm_model, rollout={"max_tokens": 100})
     tokenizer = AutoTokenizer.from_pretrained(warm_model)
-    figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=lambda tokens: fixed + per_token * tokens)
+    longest = longest_sequence(cfg, tokenizer, ["1+1="])[1]
+    line = lambda sequences: fixed + per_token * longest * sequences  # noqa: E731
+    figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=line)
     trainable = sum(p.numel() for p in policy.model.parameters())
     expected = int(SHARE * (available - 8 * trainable - fixed) / per_token)
     assert cfg.train.max_tokens_per_micro_batch == figures["max_tokens_per_micro_batch"]
     assert abs(cfg.train.max_tokens_per_micro_batch - expected) <= 1
     given = make_config(tmp_path / "given", warm_model, train={"max_tokens_per_micro_batch": 64})
-    check_memory(given, CPU, policy, tokenizer, ["1+1="], measure=lambda tokens: fixed + per_token * tokens)
+    check_memory(given, CPU, policy, tokenizer, ["1+1="], measure=line)
     assert given.train.max_tokens_per_micro_batch == 64  # the config's own stays
 
 
@@ -67,13 +69,26 @@ def test_a_longest_sequence_that_cannot_fit_is_refused_with_the_figures_and_what
     cfg = make_config(tmp_path / "run", warm_model, rollout={"max_tokens": 4000})
     tokenizer = AutoTokenizer.from_pretrained(warm_model)
     with pytest.raises(GateRefused) as refused:
-        check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=lambda tokens: tokens * available / 1000)
+        check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=lambda sequences: sequences * available)
     message = str(refused.value)
     assert "launch gate 'memory'" in message and "rollout.max_tokens = 4000" in message
     assert "model.activation_checkpointing = true" in message and "GiB are free" in message
 
-    def runs_out(tokens):
+    def runs_out(sequences):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     with pytest.raises(GateRefused, match="ran out of memory"):
         check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=runs_out)
+
+
+def test_when_two_longest_sequences_do_not_fit_a_micro_batch_holds_one(policy, warm_model, tmp_path):
+    cfg = make_config(tmp_path / "run", warm_model, rollout={"max_tokens": 100})
+    tokenizer = AutoTokenizer.from_pretrained(warm_model)
+
+    def one_fits(sequences):
+        if sequences > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 2**20
+
+    figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=one_fits)
+    assert figures["max_tokens_per_micro_batch"] == figures["longest_sequence"] == cfg.train.max_tokens_per_micro_batch

@@ -3,15 +3,19 @@ run whose longest sequence cannot fit, instead of running out of memory in the m
 
 The longest sequence a config allows is its longest prompt (tokenized as the worker renders it)
 plus rollout.max_tokens. The gate runs the training pass itself (forward, log-probs, loss,
-backward) on one synthetic sequence of that length and on one of half of it, and reads the
-device's peak: the difference gives the bytes a token costs, the rest what a micro-batch costs
-whatever its size (gradients, workspaces). The optimizer's states, allocated at the first step,
-are counted in: two per trainable parameter, in float32.
+backward) on a micro-batch of one synthetic sequence of that length and on one of two, and reads
+the device's peak: the difference is what one more sequence of the longest length costs, the rest
+what a micro-batch costs whatever its size (gradients, workspaces). Micro-batches grow by
+sequences, so this is the line they follow; a shorter sequence costs no more a token than the
+longest (attention's cost per token grows with length), so the line errs high for them. The
+optimizer's states, allocated at the first step, are counted in: two per trainable parameter, in
+float32.
 
   - one sequence of the longest length does not fit in the memory free for this process: the run
     is refused (exit 3) with the figures and what to change;
   - train.max_tokens_per_micro_batch left out: it is set from the same figures, so that a
-    micro-batch's peak stays within SHARE of the memory left once the fixed costs are paid;
+    micro-batch's peak stays within SHARE of the memory left once the fixed costs are paid (one
+    longest sequence when two of them do not fit);
   - on a CPU nothing is probed (host memory is the system's to manage) and the budget is the
     config's.
 
@@ -67,27 +71,33 @@ def check_memory(
     cfg: Config, dist_info: Distributed, policy, tokenizer, prompts, measure: Callable[[int], int] | None = None
 ) -> dict:
     """Run the gate; returns its figures for the banner (and sets the token budget where the
-    config leaves it out). `measure(tokens)` -> peak bytes of one training pass over one sequence
-    of that many tokens: the device's, unless a test gives its own."""
+    config leaves it out). `measure(sequences)` -> peak bytes of one training pass over a
+    micro-batch of that many sequences of the longest length: the device's, unless a test gives
+    its own."""
     device = dist_info.device
     prompt_tokens, longest = longest_sequence(cfg, tokenizer, prompts)
     if measure is None and device.type != "cuda":
         return {"skipped": f"on {device.type}: no device memory to probe", "longest_sequence": longest}
-    measure = measure or (lambda tokens: probe_peak(policy, cfg, device, tokens))
+    measure = measure or (lambda sequences: probe_peak(policy, cfg, device, longest, sequences))
     try:
-        half, full = measure(max(longest // 2, 1)), measure(longest)
+        one = measure(1)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         raise GateRefused("memory", _refusal(cfg, prompt_tokens, longest, None, device)) from None
+    try:
+        two = measure(2)
+    except torch.OutOfMemoryError:  # one fits, two do not: every micro-batch is one sequence
+        torch.cuda.empty_cache()
+        two = None
     share = 1.0 - cfg.rollout.colocate_gpu_memory if cfg.rollout.colocate else None
-    costs = _costs(policy, device, longest, half, full, share)
+    costs = _costs(policy, device, longest, one, two, share)
     need = costs.fixed + costs.per_token * longest + costs.optimizer
     if need > costs.available:
         raise GateRefused("memory", _refusal(cfg, prompt_tokens, longest, (need, costs), device))
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is None:
         spare = costs.available - costs.optimizer - costs.fixed
-        budget = max(int(SHARE * spare / max(costs.per_token, 1.0)), longest)
+        budget = max(int(SHARE * spare / max(costs.per_token, 1.0)), longest) if two is not None else longest
         if dist_info.world_size > 1:
             agreed = torch.tensor([budget], device=device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -103,10 +113,12 @@ def check_memory(
     }
 
 
-def _costs(policy, device: torch.device, longest: int, half: int, full: int, colocated_share: float | None) -> Costs:
-    tokens_apart = longest - max(longest // 2, 1)
-    per_token = (full - half) / tokens_apart if tokens_apart > 0 else float(full)
-    fixed = max(full - per_token * longest, 0.0)
+def _costs(policy, device: torch.device, longest: int, one: int, two: int | None, colocated_share: float | None) -> Costs:
+    """The line through the peaks of micro-batches of one and two longest sequences (`two` None:
+    two did not fit, and a token is charged as if one sequence were all the cost)."""
+    per_sequence = two - one if two is not None and two > one else float(one)
+    per_token = per_sequence / longest
+    fixed = max(one - per_sequence, 0.0)
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     states = 0 if policy.optimizer.state else 2 * 4 * trainable  # AdamW's two moments, float32
     if device.type == "cuda":
@@ -123,19 +135,20 @@ def _costs(policy, device: torch.device, longest: int, half: int, full: int, col
 
 
 def probe_peak(policy, cfg: Config, device: torch.device, tokens: int, sequences: int = 1) -> int:
-    """Peak bytes above what is allocated now of one training pass over `sequences` sequences of
-    `tokens` tokens each (the last rollout.max_tokens of each generated), gradients dropped after it."""
+    """Peak bytes above what is allocated now of one training pass over a micro-batch of
+    `sequences` sequences of `tokens` tokens each (the last rollout.max_tokens of each generated),
+    gradients dropped after it."""
     from ..learning import policy_losses
     from ..learning.train_step import sequence_logprobs
 
     model = policy.model
     generated = min(cfg.rollout.max_tokens, tokens - 1)
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, tokens), device=device)
-    mask = torch.zeros((1, tokens - 1), device=device)
+    ids = torch.randint(0, vocab, (sequences, tokens), device=device)
+    mask = torch.zeros((sequences, tokens - 1), device=device)
     mask[:, tokens - 1 - generated :] = 1.0
     batch = Batch(
-        ids, torch.ones_like(ids), ids[:, 1:].clone(), mask, torch.zeros_like(mask), torch.ones(1, device=device)
+        ids, torch.ones_like(ids), ids[:, 1:].clone(), mask, torch.zeros_like(mask), torch.ones(sequences, device=device)
     )
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
