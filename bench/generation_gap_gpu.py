@@ -209,7 +209,7 @@ def direct_child(args) -> None:
             # The worker's wake, part by part (LiveEngine.wake), from a sleep as deep as the worker's.
             _, row["sleep_s"] = timed(engine.sleep, args.sleep_level)
             _, row["wake_weights_s"] = timed(llm.wake_up, tags=["weights"])
-            _, row["reload_weights_s"] = timed(engine._reload_weights, weights, post_process=True)
+            _, row["reload_weights_s"] = timed(engine._load_checked, weights, post_process=True)
             _, row["wake_kv_cache_s"] = timed(llm.wake_up, tags=["kv_cache"])
             _, row["reset_prefix_cache_s"] = timed(llm.reset_prefix_cache)
             _, row["verify_s"] = timed(engine._verify, weights)

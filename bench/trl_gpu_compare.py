@@ -229,7 +229,10 @@ def run_ours(raw: dict, work: Path, args) -> dict:
 
 
 WORKER_LINES = {
-    "reload": re.compile(r"reloaded \S+ in ([\d.]+) s \(weights ([\d.]+) s, prefix cache and check ([\d.]+) s\)"),
+    "reload": re.compile(
+        r"reloaded \S+ in ([\d.]+) s \(weights and check ([\d.]+) s, of it waiting for the files' sums ([\d.]+) s; "
+        r"prefix cache ([\d.]+) s\)"
+    ),
     "call": re.compile(r"generated (\d+) sequences in ([\d.]+) s \(LLM\.generate ([\d.]+) s\)"),
     "llm": re.compile(r"vllm_host\[\d+\]: engine built for \S+ in ([\d.]+) s"),
     "process": re.compile(r"engine process \d+ built for \S+ in ([\d.]+) s"),
@@ -237,14 +240,16 @@ WORKER_LINES = {
 
 
 def worker_figures(log: str, sequences: int) -> dict:
-    """Medians of the worker's in-place reloads (all, the weights, the prefix-cache reset and
-    check) and of its engine calls of a step's `sequences` (all, LLM.generate), and its engine
-    build (the engine process from its start, vLLM's LLM(...) in it), from its log lines."""
+    """Medians of the worker's in-place reloads (all, the weights with their check, the wait for
+    the files' sums after the engine answered, the prefix-cache reset) and of its engine calls of a
+    step's `sequences` (all, LLM.generate), and its engine build (the engine process from its
+    start, vLLM's LLM(...) in it), from its log lines."""
     found = {name: [m.groups() for m in pattern.finditer(log)] for name, pattern in WORKER_LINES.items()}
     calls = [(float(a), float(b)) for n, a, b in found["call"] if int(n) == sequences]
     figures = {}
     if found["reload"]:
-        for i, key in enumerate(("reload_s", "reload_weights_s", "reload_check_s")):
+        for i, key in enumerate(("reload_s", "reload_weights_and_check_s", "reload_file_sums_wait_s",
+                                 "reload_prefix_cache_s")):  # fmt: skip
             figures[key] = round(statistics.median(float(r[i]) for r in found["reload"]), 4)
     if calls:
         figures["call_s"] = round(statistics.median(c for c, _ in calls), 4)

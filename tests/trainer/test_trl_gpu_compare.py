@@ -85,18 +85,22 @@ def test_the_workers_reloads_calls_and_build_are_read_from_its_log():
             "x INFO rollout_svc.engines.vllm_host[7]: engine built for /m in 39.5 s (CUDA graphs FULL_DECODE_ONLY)",
             "x INFO rollout_svc.engines.vllm: engine process 7 built for /m in 61.9 s (CUDA graphs FULL_DECODE_ONLY)",
             "x vllm_host[7]: generated 64 sequences in 0.268 s (LLM.generate 0.239 s)",  # a canary: not a step's
-            "x vllm_host[7]: reloaded /s/slot_0 in 0.247 s (weights 0.073 s, prefix cache and check 0.174 s)",
+            "x vllm_host[7]: reloaded /s/slot_0 in 0.247 s (weights and check 0.173 s, of it waiting for the files' "
+            "sums 0.001 s; prefix cache 0.074 s)",
             "x vllm_host[7]: generated 512 sequences in 0.554 s (LLM.generate 0.528 s)",
-            "x vllm_host[7]: reloaded /s/slot_1 in 0.043 s (weights 0.026 s, prefix cache and check 0.017 s)",
+            "x vllm_host[7]: reloaded /s/slot_1 in 0.043 s (weights and check 0.026 s, of it waiting for the files' "
+            "sums 0.000 s; prefix cache 0.017 s)",
             "x vllm_host[7]: generated 512 sequences in 0.474 s (LLM.generate 0.445 s)",
-            "x vllm_host[7]: reloaded /s/slot_0 in 0.155 s (weights 0.037 s, prefix cache and check 0.117 s)",
+            "x vllm_host[7]: reloaded /s/slot_0 in 0.155 s (weights and check 0.117 s, of it waiting for the files' "
+            "sums 0.002 s; prefix cache 0.037 s)",
             "x vllm_host[7]: generated 512 sequences in 0.395 s (LLM.generate 0.378 s)",
         ]
     )
     assert compare.worker_figures(log, 512) == {
         "reload_s": 0.155,
-        "reload_weights_s": 0.037,
-        "reload_check_s": 0.117,
+        "reload_weights_and_check_s": 0.117,
+        "reload_file_sums_wait_s": 0.001,
+        "reload_prefix_cache_s": 0.037,
         "call_s": 0.474,
         "call_llm_generate_s": 0.445,
         "engine_process_build_s": 61.9,

@@ -398,17 +398,21 @@ def test_each_prompt_of_a_seeded_request_has_a_seed_of_its_own():
 
 
 class RecordingLLM:
-    """The engine process's `LLM`, recording what a weight change asks of it."""
+    """The engine process's `LLM`, recording what a weight change asks of it; a load answers with
+    the block sums `sums` gives (None: the sums of nothing)."""
 
-    def __init__(self):
+    def __init__(self, sums=None):
         from types import SimpleNamespace
 
         self.calls: list[tuple] = []
+        self.sums = sums
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype="float32"))
 
     def collective_rpc(self, method, args=(), kwargs=None):
         self.calls.append((method, *args))
-        return [{}]  # parameter_sizes: nothing comparable, so the check has nothing to read
+        if method == "parameter_sizes":
+            return [{}]  # nothing comparable, so the check has nothing to read
+        return [self.sums(args[-1]) if self.sums else {}]
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -429,11 +433,46 @@ def test_a_reload_reads_the_weight_files_onto_the_device_itself(models, post_pro
     engine = LiveEngine()
     engine.llm, engine.post_process = RecordingLLM(), post_process
     engine.reload(weights)
-    assert engine.llm.calls[0] == ("load_files", files, post_process) and engine.weights is weights
+    assert engine.llm.calls[1] == ("load_files", files, post_process, {}) and engine.weights is weights
     assert ("reset_prefix_cache",) in engine.llm.calls
     engine.llm = RecordingLLM()
     engine.wake(weights, reload=True)
-    assert engine.llm.calls[:3] == [("wake_up", ["weights"]), ("load_files", files, True), ("wake_up", ["kv_cache"])]
+    assert engine.llm.calls[:3] == [
+        ("wake_up", ["weights"]),
+        ("load_files", files, True, {}),
+        ("wake_up", ["kv_cache"]),
+    ]
+
+
+def test_a_reload_and_its_check_are_one_call_into_the_engine_and_stale_sums_are_refused(models):
+    """The engine sums its tensors' blocks in the load's own call (no call of its own for the check,
+    which would wait behind a colocated trainer's kernels once more); sums that differ from the
+    files' leave the engine holding no verified weights."""
+    from safetensors import safe_open
+
+    from rollout_svc.engines.vllm_host import LiveEngine, StaleWeights
+
+    weights = WeightsPolicy([str(models["root"])]).inspect(str(models["b"]))
+    shapes = {}
+    for shard in weights.shards:
+        with safe_open(os.path.join(weights.real_path, shard), framework="pt") as f:
+            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    engine = LiveEngine()
+    engine.engine_shapes = shapes  # as asked at the engine's build
+    engine.llm = RecordingLLM()
+    source, blocks = engine._probe_plan(weights)
+    right = engine._file_sums(source, blocks)
+    assert blocks and right
+    engine.llm = RecordingLLM(sums=lambda asked: {name: right[name] for name in asked})
+    engine.reload(weights)
+    assert engine.weights is weights
+    assert [call[0] for call in engine.llm.calls] == ["load_files", "reset_prefix_cache"]
+    assert engine.llm.calls[0][-1] == blocks
+    stale = {name: value + 1.0 for name, value in right.items()}
+    engine.llm = RecordingLLM(sums=lambda asked: {name: stale[name] for name in asked})
+    with pytest.raises(StaleWeights):
+        engine.reload(weights)
+    assert engine.weights is None
 
 
 @pytest.mark.parametrize(

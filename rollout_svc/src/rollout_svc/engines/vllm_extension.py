@@ -19,12 +19,17 @@ class WeightProbe:
     def parameter_sums(self, blocks_by_name: dict[str, list[tuple[int, int]]]) -> dict[str, float]:
         """Float64 sum of the given [start, stop) row blocks of each named parameter (blocks lie
         within the checkpoint's rows: the engine may pad a vocabulary dimension beyond them)."""
+        import torch
+
         params = dict(self.model_runner.model.named_parameters())
-        return {
-            name: sum(float(params[name].detach()[a:b].double().sum().item()) for a, b in blocks)
-            for name, blocks in blocks_by_name.items()
-            if name in params and params[name].numel() > 0
-        }
+        names = [name for name in blocks_by_name if name in params and params[name].numel() > 0]
+        # Every block's sum queued on the device, then read back once: a single wait for the device,
+        # which a colocated trainer's kernels keep busy, instead of one per block.
+        sums = [
+            torch.stack([params[name].detach()[a:b].double().sum() for a, b in blocks_by_name[name]]).sum()
+            for name in names
+        ]
+        return dict(zip(names, torch.stack(sums).tolist(), strict=True)) if sums else {}
 
     def engine_facts(self) -> dict:
         """How this worker runs the model: eager or with CUDA graphs, and how many it captured."""
@@ -43,14 +48,15 @@ class WeightProbe:
             "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         }
 
-    def load_files(self, paths: list[str], post_process: bool) -> None:
+    def load_files(self, paths: list[str], post_process: bool, blocks_by_name: dict | None = None) -> dict | None:
         """Load the safetensors files `paths` into the model in place, each read straight onto the
         model's device (one file held there at a time), not tensor by tensor through host memory.
 
         `post_process`: through vLLM's own reload, which runs each layer's post-load processing
         (CPU repacking, quantization). Otherwise the model's loader copies them into the
         parameters, as vLLM's first load does before that processing: only where it changes
-        nothing (unquantized layers on a GPU)."""
+        nothing (unquantized layers on a GPU). With `blocks_by_name`: returns parameter_sums of
+        them, taken right after the load in the same call (one round trip for a load and its check)."""
         from safetensors.torch import load_file
 
         device = str(next(self.model_runner.model.parameters()).device)
@@ -63,13 +69,17 @@ class WeightProbe:
             self.reload_weights(weights_iterator=tensors())
         else:
             self.model_runner.model.load_weights(tensors())
+        return self.parameter_sums(blocks_by_name) if blocks_by_name else None
 
-    def load_slot(self, directory: str, manifest_json: bytes, post_process: bool) -> dict:
+    def load_slot(
+        self, directory: str, manifest_json: bytes, post_process: bool, blocks_by_name: dict | None = None
+    ) -> dict:
         """Load the weight slot `directory` (its manifest's bytes, as read under the reader's lease)
         into the model in place: its tensors.bin, mapped here (on a GPU kept mapped and pinned, and
         copied to the device in one copy), checked against the manifest's checksum where the bytes
         lie, then handed to the model's weight loading as views of them (slot_load). No file is
-        parsed; `post_process` as for load_files. Returns the seconds of each part."""
+        parsed; `post_process` and `blocks_by_name` as for load_files. Returns the seconds of each
+        part, and the sums under "sums"."""
         import time
 
         import torch
@@ -98,9 +108,11 @@ class WeightProbe:
         del data
         if device.type == "cpu":
             slot.close()
+        loaded = time.perf_counter()
         return {
             "map_s": mapped - started,
             "copy_and_check_s": checked - mapped,
-            "load_s": time.perf_counter() - checked,
+            "load_s": loaded - checked,
             "pinned": slot.pinned,
+            "sums": self.parameter_sums(blocks_by_name) if blocks_by_name else None,
         }

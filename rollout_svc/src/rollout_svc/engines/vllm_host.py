@@ -9,7 +9,9 @@ Guarantees:
   vLLM's post-load processing where the engine needs it (CPU, quantized layers, after a wake);
 - after every weight change (build, in-place reload, wake) the largest comparable tensors of
   the engine equal the files' (float64 sums; StaleWeights otherwise), so stale weights after a
-  reload or a wake are caught before anything is generated;
+  reload or a wake are caught before anything is generated; a load and its check are one call
+  into the engine (its sums taken right after its load, read back in one wait for the device),
+  with the files' sums made here meanwhile;
 - texts are the sampled ids decoded without special tokens (decoded once at the end: vLLM
   detokenizes step by step only for requests with stop strings);
 - sampling logprobs are vLLM's `processed_logprobs`: log-probabilities of the distribution each
@@ -35,6 +37,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from protocol.messages import ErrorCode, Request
@@ -105,6 +108,7 @@ class LiveEngine:
         self.llm = None
         self.weights: Weights | None = None
         self.post_process = True  # whether an awake engine's reload needs vLLM's post-load processing
+        self.engine_shapes: dict[str, list[int]] | None = None  # its parameters' shapes: fixed for its life
 
     def build(self, spec: EngineSpec, weights: Weights) -> dict:
         configure_environment(spec.device, spec.dtype, spec.kv_cache_gib)
@@ -129,22 +133,26 @@ class LiveEngine:
             **scheduler_options(spec),
         )
         self.post_process = needs_post_processing(spec.device, self.llm.llm_engine.model_config.quantization)
+        self.engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
         if weights.slot is not None:
-            self._reload_weights(weights, self.post_process)  # over the dummy weights, as a reload
-        self._verify(weights)
+            self._load_checked(weights, self.post_process)  # over the dummy weights, as a reload
+        else:
+            self._verify(weights)
         facts = self.facts() | {"llm_s": time.monotonic() - started}
         log.info("engine built for %s in %.1f s (%s)", weights.path, facts["llm_s"], describe(facts))
         return facts
 
     def reload(self, weights: Weights) -> None:
+        """Load `weights` in place and check them (_load_checked: one call into the engine for both),
+        then drop the prefix cache, whose blocks the old weights computed."""
         started = time.monotonic()
-        self._reload_weights(weights, self.post_process)
+        waited = self._load_checked(weights, self.post_process)
         loaded = time.monotonic()
         self.llm.reset_prefix_cache()
-        self._verify(weights)
         log.info(
-            "reloaded %s in %.3f s (weights %.3f s, prefix cache and check %.3f s)",
-            weights.path, time.monotonic() - started, loaded - started, time.monotonic() - loaded,
+            "reloaded %s in %.3f s (weights and check %.3f s, of it waiting for the files' sums %.3f s; prefix "
+            "cache %.3f s)",
+            weights.path, time.monotonic() - started, loaded - started, waited, time.monotonic() - loaded,
         )  # fmt: skip
 
     def sleep(self, level: int) -> None:
@@ -157,7 +165,7 @@ class LiveEngine:
         if reload:
             self.llm.wake_up(tags=["weights"])
             woken = time.monotonic()
-            self._reload_weights(weights, post_process=True)  # vLLM's whole reload into memory just re-mapped
+            self._load_checked(weights, post_process=True)  # vLLM's whole reload into memory just re-mapped
             loaded = time.monotonic()
             self.llm.wake_up(tags=["kv_cache"])
         else:
@@ -165,7 +173,8 @@ class LiveEngine:
             woken = loaded = time.monotonic()
         awake = time.monotonic()
         self.llm.reset_prefix_cache()
-        self._verify(weights)
+        if not reload:  # the weights' memory came back from the host: checked as it is
+            self._verify(weights)
         log.info(
             "awake with %s in %.3f s (weights' memory %.3f s, weights %.3f s, KV cache %.3f s, prefix cache and "
             "check %.3f s)",
@@ -231,41 +240,74 @@ class LiveEngine:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 
-    def _reload_weights(self, weights: Weights, post_process: bool) -> None:
-        """Load the weight files into the engine in place (vllm_extension.WeightProbe.load_files:
-        each file read straight onto the device). 270 MB on an H200: 0.08 s, 0.14 s with vLLM's
-        post-processing, against 0.18-0.22 s for vLLM's `reload_weights` from the directory."""
+    def _load_checked(self, weights: Weights, post_process: bool) -> float:
+        """Load the weight files into the engine in place (vllm_extension.WeightProbe.load_files or
+        load_slot: each read straight onto the device; 270 MB on an H200: 0.08 s, 0.14 s with vLLM's
+        post-processing, against 0.18-0.22 s for vLLM's `reload_weights` from the directory), and
+        check them as _verify does, at no extra round trip: the engine sums its blocks right after
+        its load, in the same call, while this process sums the files' blocks in a thread beside it.
+        Returns the seconds spent waiting for the files' sums once the engine had answered."""
         self.weights = None  # until verified
+        source, blocks = self._probe_plan(weights)
+        with ThreadPoolExecutor(1, thread_name_prefix="file-sums") as pool:
+            expected = pool.submit(self._file_sums, source, blocks)
+            try:
+                actual = self._load(weights, post_process, blocks)
+            finally:
+                answered = time.monotonic()
+                expected = expected.result()
+                waited = time.monotonic() - answered
+                source.close()
+        self._compare(weights, expected, actual or {})
+        return waited
+
+    def _load(self, weights: Weights, post_process: bool, blocks: dict) -> dict | None:
         if weights.slot is not None:
             manifest = encode_slot_manifest(weights.slot)
-            parts = self.llm.collective_rpc("load_slot", args=(weights.real_path, manifest, post_process))[0]
+            parts = self.llm.collective_rpc("load_slot", args=(weights.real_path, manifest, post_process, blocks))[0]
             log.info(
                 "slot %s (step %d, %d MB) loaded: map %.3f s, copy and checksum %.3f s, load_weights %.3f s%s",
                 weights.path, weights.slot.step, weights.size_bytes // 10**6, parts["map_s"],
                 parts["copy_and_check_s"], parts["load_s"], ", pinned" if parts["pinned"] else "",
             )  # fmt: skip
-            return
+            return parts["sums"]
         paths = [os.path.join(weights.real_path, shard) for shard in weights.shards]
-        self.llm.collective_rpc("load_files", args=(paths, post_process))
+        return self.llm.collective_rpc("load_files", args=(paths, post_process, blocks))[0]
 
     def _verify(self, weights: Weights) -> None:
         """Compare the engine's largest comparable tensors with the files', on row blocks spread
         over each tensor. A reload that failed or was skipped leaves whole tensors stale, which
         any block shows; summing blocks instead of whole tensors keeps the check in milliseconds
         at billions of parameters (whole tensors cost 0.5 s at 1.5B)."""
-        engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
+        self.weights = None
+        source, blocks = self._probe_plan(weights)
+        try:
+            expected = self._file_sums(source, blocks)
+        finally:
+            source.close()
+        actual = self.llm.collective_rpc("parameter_sums", args=(blocks,))[0] if blocks else {}
+        self._compare(weights, expected, actual)
+
+    def _probe_plan(self, weights: Weights):
+        """The source of `weights`' tensors, and the row blocks of its largest tensors that the
+        engine also holds (shapes are the engine's, asked once at its build)."""
+        if self.engine_shapes is None:
+            self.engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
         source = SlotSource(weights) if weights.slot is not None else ShardSource(weights)
-        candidates = [(math.prod(shape), name, shape) for name, shape in source.shapes() if name in engine_shapes]
-        expected: dict[str, float] = {}
-        blocks: dict[str, list[tuple[int, int]]] = {}
+        candidates = [(math.prod(shape), name, shape) for name, shape in source.shapes() if name in self.engine_shapes]
+        blocks = {name: probe_blocks(shape) for _, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]}
+        return source, blocks
+
+    def _file_sums(self, source, blocks: dict) -> dict[str, float]:
         dtype = _torch_dtype(self.llm.llm_engine.model_config.dtype)
-        for _, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]:
-            blocks[name] = probe_blocks(shape)
-            expected[name] = sum(float(source.rows(name, a, b).to(dtype).double().sum()) for a, b in blocks[name])
-        source.close()
+        return {
+            name: sum(float(source.rows(name, a, b).to(dtype).double().sum()) for a, b in name_blocks)
+            for name, name_blocks in blocks.items()
+        }
+
+    def _compare(self, weights: Weights, expected: dict[str, float], actual: dict[str, float]) -> None:
         if not expected:
             log.warning("no tensor of %s can be compared with the engine's; weights not verified", weights.path)
-        actual = self.llm.collective_rpc("parameter_sums", args=(blocks,))[0] if expected else {}
         for name, want in expected.items():
             got = actual.get(name)
             if got is None or not math.isclose(got, want, rel_tol=PROBE_RTOL, abs_tol=PROBE_RTOL):

@@ -113,7 +113,9 @@ def check_memory(
     }
 
 
-def _costs(policy, device: torch.device, longest: int, one: int, two: int | None, colocated_share: float | None) -> Costs:
+def _costs(
+    policy, device: torch.device, longest: int, one: int, two: int | None, colocated_share: float | None
+) -> Costs:
     """The line through the peaks of micro-batches of one and two longest sequences (`two` None:
     two did not fit, and a token is charged as if one sequence were all the cost)."""
     per_sequence = two - one if two is not None and two > one else float(one)
@@ -148,7 +150,12 @@ def probe_peak(policy, cfg: Config, device: torch.device, tokens: int, sequences
     mask = torch.zeros((sequences, tokens - 1), device=device)
     mask[:, tokens - 1 - generated :] = 1.0
     batch = Batch(
-        ids, torch.ones_like(ids), ids[:, 1:].clone(), mask, torch.zeros_like(mask), torch.ones(sequences, device=device)
+        ids,
+        torch.ones_like(ids),
+        ids[:, 1:].clone(),
+        mask,
+        torch.zeros_like(mask),
+        torch.ones(sequences, device=device),
     )
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
