@@ -85,6 +85,7 @@ def train(
     from protocol.private_dirs import NotPrivate
 
     from .data import DataError
+    from .envs.errors import EnvError
     from .rails.gates import GateRefused, check_config
     from .rollout_types import RolloutFailed, RolloutUnavailable
     from .run.loop import train as run_training
@@ -95,7 +96,7 @@ def train(
         code = run_training(cfg, stage="grpo_smoke" if smoke else "grpo")
     except GateRefused as exc:
         raise _fail(exit_codes.GATE_REFUSED, str(exc)) from None
-    except (DataError, RewardFunctionError) as exc:  # rows or reward functions to fix
+    except (DataError, RewardFunctionError, EnvError) as exc:  # rows, reward functions or environments to fix
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except RolloutUnavailable as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None

@@ -46,7 +46,7 @@ from protocol.rows import prompt_fields
 from protocol.spool import split_claimed_name
 
 from ..config import Config
-from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket
+from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket, WeightsRef
 from .spawned_worker import SpawnedWorker
 from .waiting import WaitNotes
 
@@ -83,6 +83,23 @@ class RolloutService:
         if self.worker is not None:
             self.worker.close()
         self.client.close()
+
+    def turn_batcher(self, weights: WeightsRef):
+        """A TurnBatcher on this service's spool, for episodes' turns (trainer_svc.envs.sampler)."""
+        from .turn_batcher import TurnBatcher
+
+        r = self.cfg.rollout
+        return TurnBatcher(
+            self.client,
+            weights_dir=weights.dir,
+            weights_content_id=weights.content_id,
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop=[],
+            tag=f"{_id_part(self.cfg.run_dir.name[:40])}-turn",
+            error_retries=r.error_retries,
+        )
 
     def _check_worker(self) -> None:
         if self.worker is not None:
