@@ -75,3 +75,57 @@ class TorchTurnService:
 
     def close(self) -> None:
         self.closed = True
+
+
+class ScriptedTurns:
+    """A stand-in engine for episode tests of rendering and faults: turn t of every episode is
+    answered with `answers[t]` tokenized, then the end-of-sequence id ("stop"). Every Turn put is
+    kept (`turns`), with the outcome given (`outcomes`)."""
+
+    def __init__(self, tokenizer, answers: list[str]):
+        self.tokenizer, self.answers = tokenizer, answers
+        self.queue: list = []
+        self.turns: dict[str, object] = {}
+        self.outcomes: dict[str, TurnOutcome] = {}
+        self.lock = threading.Lock()
+
+    def set_weights(self, weights_dir: str, content_id: str | None) -> None:
+        pass
+
+    def put(self, turn) -> None:
+        with self.lock:
+            self.queue.append(turn)
+            self.turns[turn.key] = turn
+
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def poll(self, timeout_s: float) -> list[TurnOutcome]:
+        with self.lock:
+            queued, self.queue = self.queue, []
+        outcomes = []
+        for turn in queued:
+            text = self.answers[int(turn.key.rpartition(".t")[2])]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            worker = f"w{len(self.outcomes) % 2}"
+            outcome = TurnOutcome(turn.key, ids, [-0.5] * len(ids), "stop", text, worker, "")
+            self.outcomes[turn.key] = outcome
+            outcomes.append(outcome)
+        return outcomes
+
+    def close(self) -> None:
+        pass
+
+
+class Service:
+    """What the episode sampler asks for its batcher: one made beforehand."""
+
+    def __init__(self, turns):
+        self.turns = turns
+        self.closed = False
+
+    def turn_batcher(self, weights):
+        return self.turns
+
+    def close(self) -> None:
+        self.closed = True
