@@ -62,6 +62,7 @@ class Greedy(Chat):
 
 class Seeded(Chat):
     def reset(self):
+        self.t = 0
         return [{"role": "user", "content": f"{self.seed}:"}]
 
 
