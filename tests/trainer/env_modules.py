@@ -30,6 +30,21 @@ class Chat(Environment):
         return Step([{"role": "user", "content": f"ok{self.t}"}], reward=1.0)
 
 
+class Digits(Environment):
+    """Two turns, each rewarded by its share of digits: what the untrained tiny model learns."""
+
+    def reset(self):
+        self.t = 0
+        return [{"role": "user", "content": self.row["prompt"]}]
+
+    def step(self, text):
+        self.t += 1
+        share = sum(ch.isdigit() for ch in text) / max(1, len(text))
+        if self.t == 1:
+            return Step([{"role": "user", "content": "+1="}], reward=share / 2)
+        return Step(reward=share / 2, done=True)
+
+
 class Raises(Chat):
     def step(self, text):
         if self.t == 1:

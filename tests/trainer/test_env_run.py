@@ -1,0 +1,134 @@
+"""Training on episodes (CPU, deterministic): the tiny model learns a two-turn task; a run
+stopped in the middle of episodes (steps generated ahead) and relaunched takes exactly the steps
+of the run never stopped, replaying the journaled turns instead of asking for them again; the
+README's example environment runs as written; an environment's fault stops `trainer-svc train`
+with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+from echo_workers import EchoWorkers
+from env_modules import user_envs  # noqa: F401 (a fixture)
+from local_turns import TorchTurnService
+
+from protocol import exit_codes
+from trainer_svc.config import dump
+from trainer_svc.run.loop import train
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = str(Path(sys.executable).parent / "trainer-svc")
+TIMING_KEYS = {"rollout_s", "generate_s", "score_s", "train_s", "publish_s", "save_s", "step_s"}
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("user_envs")]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    found = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in found]
+
+
+def digits_config(run_dir: Path, model: Path, **sections):
+    return make_config(
+        run_dir,
+        model,
+        train={"steps": 6, "lr": 1e-2, "grad_accum": 1},
+        tripwire={"armed": False},
+        env={"class": "user_envs:Digits", "max_turns": 2},
+        **sections,
+    )
+
+
+def test_the_tiny_model_learns_a_two_turn_task(tiny_model, tmp_path):
+    # Each turn's reward is its share of digits: about one in ten characters for the untrained model.
+    cfg = digits_config(tmp_path / "run", tiny_model, checkpoint={"every": 100})
+    assert train(cfg, make_sampler=TorchTurnService()) == exit_codes.OK
+    found = rows(cfg.run_dir)
+    reward = [row["reward/env"] for row in found]
+    print(f"\nreward per step: {[round(r, 3) for r in reward]}")
+    assert all(row["episode_turns"] == 2.0 and row["episode_ends/done"] == 16 for row in found)
+    assert reward[0] < 0.2 and sum(reward[-2:]) / 2 > reward[0] + 0.2
+
+
+def test_a_run_stopped_in_the_middle_of_episodes_resumes_exactly(tiny_model, tmp_path):
+    straight_asked: list[str] = []
+    straight = digits_config(tmp_path / "straight", tiny_model, rollout={"ahead": 1, "max_policy_lag": 1})
+    assert train(straight, make_sampler=TorchTurnService(straight_asked)) == exit_codes.OK
+    expected = rows(straight.run_dir)
+    assert len(expected) == 6
+
+    # A wall-clock limit far below one step: every launch takes one step and stops (75), the next
+    # step's episodes in flight; the relaunch takes them over from the journal.
+    interrupted = digits_config(
+        tmp_path / "interrupted", tiny_model, rollout={"ahead": 1, "max_policy_lag": 1}, run={"max_wall_seconds": 1e-6}
+    )
+    asked: list[str] = []
+    codes, journaled = [], []
+    while not codes or codes[-1] == exit_codes.RESUMABLE_STOP:
+        codes.append(train(interrupted, make_sampler=TorchTurnService(asked)))
+        journaled.append(len(list((interrupted.run_dir / "episodes").glob("*.jsonl"))))
+        assert len(codes) <= 7
+    assert codes == [exit_codes.RESUMABLE_STOP] * 5 + [exit_codes.OK]
+    assert rows(interrupted.run_dir) == expected
+    assert journaled == [1, 1, 1, 1, 1, 0]  # each stop left the next step's episodes in the journal
+    # No turn was asked twice: a relaunch replays what was answered before the stop.
+    assert len(asked) == len(set(asked))
+    assert sorted(asked) == sorted(straight_asked)
+
+
+def readme_example() -> tuple[str, str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Environments: multi-turn and tools", 1)[1].split("\n### ", 1)[0]
+    (module,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (config,) = re.findall(r"```toml\n(.*?)```", section, flags=re.S)
+    return module, config
+
+
+def test_the_readme_example_environment_runs_as_written(tiny_model, tmp_path, monkeypatch):
+    module, config = readme_example()
+    user = tmp_path / "readme"
+    user.mkdir()
+    (user / "my_envs.py").write_text(module)
+    monkeypatch.syspath_prepend(str(user))
+    import msgspec
+
+    section = msgspec.toml.decode(config.encode())["env"]
+    cfg = make_config(tmp_path / "run", tiny_model, train={"steps": 2}, env=section)
+    assert train(cfg, make_sampler=TorchTurnService()) == exit_codes.OK
+    found = rows(cfg.run_dir)
+    assert len(found) == 2 and all("reward/env" in row and row["episode_turns"] >= 1 for row in found)
+    sys.modules.pop("my_envs", None)
+
+
+def test_an_environment_that_raises_stops_trainer_svc_train_with_exit_2(tiny_model, tmp_path, user_envs):
+    spool = tmp_path / "spool"
+    cfg = make_config(
+        tmp_path / "run",
+        tiny_model,
+        rollout={"spool": str(spool), "max_tokens": 4},
+        env={"class": "user_envs:Raises", "max_turns": 3},
+    )
+    path = tmp_path / "run.toml"
+    path.write_bytes(dump(cfg))
+    workers = EchoWorkers(spool, tmp_path / "logs")
+    try:
+        workers.start("echo")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_envs), os.environ.get("PYTHONPATH", "")])}
+        result = subprocess.run([TRAINER, "train", str(path)], capture_output=True, text=True, timeout=240, env=env)
+    finally:
+        workers.close()
+    assert result.returncode == exit_codes.USAGE, result.stderr[-3000:]
+    message = result.stderr[result.stderr.index("error: ") :]
+    assert re.match(
+        r"error: environment user_envs:Raises \(episode train-s00000000-a0-\w+\.p\dg\d, turn 2, step", message
+    )
+    assert "raised ValueError: cannot read" in message
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""
