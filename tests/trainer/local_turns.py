@@ -14,8 +14,8 @@ from trainer_svc.rollout.turn_batcher import TurnOutcome
 
 
 class TorchTurns:
-    def __init__(self, cfg, weights, asked: list[str], sampler: TorchSampler):
-        self.cfg, self.asked, self.sampler = cfg, asked, sampler
+    def __init__(self, cfg, weights, asked: list[str], sampler: TorchSampler, hold=lambda key: False):
+        self.cfg, self.asked, self.sampler, self.hold = cfg, asked, sampler, hold
         self.weights = (weights.dir, weights.content_id)
         self.queue: list = []
         self.lock = threading.Lock()
@@ -33,7 +33,8 @@ class TorchTurns:
     @torch.no_grad()
     def poll(self, timeout_s: float) -> list[TurnOutcome]:
         with self.lock:
-            queued, self.queue = self.queue, []
+            queued = [q for q in self.queue if not self.hold(q[0].key)]
+            self.queue = [q for q in self.queue if self.hold(q[0].key)]
         outcomes = []
         r = self.cfg.rollout
         for turn, (weights_dir, content_id) in queued:
@@ -60,10 +61,12 @@ class TorchTurns:
 
 class TorchTurnService:
     """make_sampler for loop.train with an [env]: the service the episode sampler asks for a
-    TurnBatcher. `asked` keeps every turn key any of its batchers answered."""
+    TurnBatcher. `asked` keeps every turn key any of its batchers answered; turns whose key
+    `hold` is true are never answered (the engine is slow on them)."""
 
-    def __init__(self, asked: list[str] | None = None):
+    def __init__(self, asked: list[str] | None = None, hold=lambda key: False):
         self.asked = [] if asked is None else asked
+        self.hold = hold
         self.closed = False
 
     def __call__(self, cfg, launch_id):
@@ -71,7 +74,7 @@ class TorchTurnService:
         return self
 
     def turn_batcher(self, weights):
-        return TorchTurns(self.cfg, weights, self.asked, self.sampler)
+        return TorchTurns(self.cfg, weights, self.asked, self.sampler, self.hold)
 
     def close(self) -> None:
         self.closed = True
@@ -82,8 +85,8 @@ class ScriptedTurns:
     answered with `answers[t]` tokenized, then the end-of-sequence id ("stop"). Every Turn put is
     kept (`turns`), with the outcome given (`outcomes`)."""
 
-    def __init__(self, tokenizer, answers: list[str]):
-        self.tokenizer, self.answers = tokenizer, answers
+    def __init__(self, tokenizer, answers: list[str], hold=lambda key: False):
+        self.tokenizer, self.answers, self.hold = tokenizer, answers, hold
         self.queue: list = []
         self.turns: dict[str, object] = {}
         self.outcomes: dict[str, TurnOutcome] = {}
@@ -102,7 +105,8 @@ class ScriptedTurns:
 
     def poll(self, timeout_s: float) -> list[TurnOutcome]:
         with self.lock:
-            queued, self.queue = self.queue, []
+            queued = [turn for turn in self.queue if not self.hold(turn.key)]
+            self.queue = [turn for turn in self.queue if self.hold(turn.key)]
         outcomes = []
         for turn in queued:
             text = self.answers[int(turn.key.rpartition(".t")[2])]

@@ -233,3 +233,56 @@ def test_a_tool_call_is_run_and_its_result_is_the_next_environment_turn(tiny_mod
         "<tool_response>5</tool_response>\n"
         "<tool_response>error: no tool named 'mul'; the tools are ['add']</tool_response>\n"
     )
+
+
+def test_a_relaunch_replays_the_journaled_turns_and_asks_the_engine_only_for_the_rest(tiny_model, tmp_path):
+    import time
+
+    tokenizer = tokenizer_of(tiny_model)
+    problems = PROBLEMS[:2]
+    straight = run_episodes(env_config(tmp_path / "a", tiny_model, "user_envs:Chat", max_turns=3),
+                            ScriptedTurns(tokenizer, ["7", "8", "9"]), tiny_model)  # fmt: skip
+
+    # A launch whose engine answers every first turn and no later one, stopped then.
+    cfg = env_config(tmp_path / "b", tiny_model, "user_envs:Chat", max_turns=3)
+    first = ScriptedTurns(tokenizer, ["7", "8", "9"], hold=lambda key: not key.endswith(".t0"))
+    sampler = EpisodeSampler(cfg, Service(first), problems, tokenizer)
+    call = sampler.submit(ticket(problems, tiny_model))
+    deadline = time.monotonic() + 60
+    while len(first.outcomes) < 4 or len(first.turns) < 8:  # 4 first turns answered, 4 second ones asked
+        assert time.monotonic() < deadline, (first.outcomes, first.turns)
+        time.sleep(0.01)
+    sampler.close()
+
+    relaunch = ScriptedTurns(tokenizer, ["7", "8", "9"])
+    sampler = EpisodeSampler(cfg, Service(relaunch), problems, tokenizer)
+    try:
+        sampler.restore(call)
+        groups = sampler.collect(call)
+    finally:
+        sampler.close()
+    assert sorted(k.rpartition(".t")[2] for k in relaunch.turns) == ["1"] * 4 + ["2"] * 4  # no first turn again
+    assert groups == straight
+    assert not list((tmp_path / "b" / "run" / "episodes").iterdir())  # collected: the journal is gone
+
+
+def test_a_replay_the_environment_answers_otherwise_stops_the_run(tiny_model, tmp_path):
+    import time
+
+    tokenizer = tokenizer_of(tiny_model)
+    cfg = env_config(tmp_path, tiny_model, "user_envs:Clock", max_turns=3)
+    first = ScriptedTurns(tokenizer, ["7", "8", "9"], hold=lambda key: not key.endswith(".t0"))
+    sampler = EpisodeSampler(cfg, Service(first), PROBLEMS[:1], tokenizer)
+    call = sampler.submit(ticket(PROBLEMS[:1], tiny_model))
+    deadline = time.monotonic() + 60
+    while len(first.turns) < 4:  # both first turns answered and their environments' answers journaled
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sampler.close()
+    sampler = EpisodeSampler(cfg, Service(ScriptedTurns(tokenizer, ["7", "8", "9"])), PROBLEMS[:1], tokenizer)
+    try:
+        sampler.restore(call)
+        with pytest.raises(EnvError, match=r"turn 1\) answered the replayed assistant turns of a resume otherwise"):
+            sampler.collect(call)
+    finally:
+        sampler.close()
