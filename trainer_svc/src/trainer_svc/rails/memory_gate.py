@@ -2,11 +2,12 @@
 run whose longest sequence cannot fit, instead of running out of memory in the middle of it.
 
 The longest sequence a config allows is its longest prompt (tokenized as the worker renders it)
-plus rollout.max_tokens. The gate runs the training pass itself (forward, log-probs, loss,
-backward) on one synthetic sequence of that length and on one of half of it, and reads the
-device's peak: the difference gives the bytes a token costs, the rest what a micro-batch costs
-whatever its size (gradients, workspaces). The optimizer's states, allocated at the first step,
-are counted in: two per trainable parameter, in float32.
+plus rollout.max_tokens; with an [env], an episode's, up to env.max_episode_tokens. The gate runs
+the training pass itself (forward, log-probs, loss, backward) on one synthetic sequence of that
+length and on one of half of it, and reads the device's peak: the difference gives the bytes a
+token costs, the rest what a micro-batch costs whatever its size (gradients, workspaces). The
+optimizer's states, allocated at the first step, are counted in: two per trainable parameter, in
+float32.
 
   - one sequence of the longest length does not fit in the memory free for this process: the run
     is refused (exit 3) with the figures and what to change;
@@ -51,7 +52,7 @@ class Costs:
 
 
 def longest_sequence(cfg: Config, tokenizer, prompts) -> tuple[int, int]:
-    """(the longest prompt's tokens, that + rollout.max_tokens)."""
+    """(the longest prompt's tokens, that + rollout.max_tokens; an episode's cap where it is longer)."""
     longest = 0
     for prompt in prompts:
         if is_conversation(prompt):
@@ -60,6 +61,8 @@ def longest_sequence(cfg: Config, tokenizer, prompts) -> tuple[int, int]:
         else:
             count = len(tokenizer(prompt)["input_ids"])
         longest = max(longest, count)
+    if cfg.env is not None:  # an episode's whole sequence: its turns end before env.max_episode_tokens
+        return longest, max(longest + cfg.rollout.max_tokens, cfg.env.max_episode_tokens)
     return longest, longest + cfg.rollout.max_tokens
 
 
