@@ -146,3 +146,29 @@ def test_an_environment_that_raises_stops_trainer_svc_train_with_exit_2(tiny_mod
     assert "raised ValueError: cannot read" in message
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or metrics.read_text() == ""
+
+
+def test_trainer_svc_eval_env_runs_the_environment_over_rows_through_the_workers(tiny_model, tmp_path):
+    spool = tmp_path / "spool"
+    cfg = make_config(tmp_path / "run", tiny_model, rollout={"spool": str(spool)}, env={"class": "user_envs:Chat"})
+    path = tmp_path / "run.toml"
+    path.write_bytes(dump(cfg))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(5)))
+    workers = EchoWorkers(spool, tmp_path / "logs")
+    try:
+        workers.start("echo")
+        user = tmp_path / "user"  # where user_envs wrote the module
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), os.environ.get("PYTHONPATH", "")])}
+        command = [TRAINER, "eval-env", str(path), "--weights", str(tiny_model), "--out", str(tmp_path / "out.jsonl")]
+        result = subprocess.run(command + ["--rows", str(rows), "--samples", "2"], capture_output=True, text=True,
+                                timeout=240, env=env)  # fmt: skip
+    finally:
+        workers.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in found] == [f"{a}+1=" for a in range(5)]
+    # Echoed answers are each prompt's first 4 ids: 1 + 1 for the first two turns, then the text's length.
+    assert all(e == {**e, "reward": 6.0, "turns": 3, "ended": "done"} for row in found for e in row["episodes"])
+    assert all(len(row["episodes"]) == 2 for row in found)
+    assert "reward 6.0000 over 5 rows x 2 episodes" in result.stdout

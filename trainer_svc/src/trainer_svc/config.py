@@ -437,7 +437,7 @@ class Config(Struct):
             raise ValueError(
                 f"canary.every = {self.canary.every} with an [env] section: the canary asks single-turn questions "
                 "and checks the answer against a gold, which an environment's episodes do not have; set canary.every "
-                "= 0 and evaluate the environment with `spoolctl eval`"
+                "= 0 and evaluate the environment with `trainer-svc eval-env`"
             )
         if self.lora.on:
             for key in ("slots", "delta"):
