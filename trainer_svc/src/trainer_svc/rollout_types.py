@@ -72,6 +72,14 @@ class Ticket:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
+def split_sizes(total: int, parts: int) -> tuple[int, ...]:
+    """`total` items in `parts` contiguous parts whose sizes differ by at most one (no empty part):
+    a call's prompts over its requests (Ticket.parts), a send's turns over a worker's requests."""
+    parts = max(1, min(parts, total))
+    base, extra = divmod(total, parts)
+    return tuple(base + (i < extra) for i in range(parts))
+
+
 class RolloutUnavailable(RuntimeError):
     """No worker can serve the trainer's requests; the message says why and what to do."""
 

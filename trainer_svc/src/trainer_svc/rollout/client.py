@@ -46,18 +46,11 @@ from protocol.rows import prompt_fields
 from protocol.spool import split_claimed_name
 
 from ..config import Config
-from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket, WeightsRef
+from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket, WeightsRef, split_sizes
 from .spawned_worker import SpawnedWorker
 from .waiting import WaitNotes
 
 log = logging.getLogger(__name__)
-
-
-def split_sizes(total: int, parts: int) -> tuple[int, ...]:
-    """`total` items in `parts` contiguous parts whose sizes differ by at most one (no empty part)."""
-    parts = max(1, min(parts, total))
-    base, extra = divmod(total, parts)
-    return tuple(base + (i < extra) for i in range(parts))
 
 
 class RolloutService:

@@ -45,8 +45,7 @@ from protocol.messages import ErrorCode, Request, Result, is_valid_id
 from protocol.spool import name_for_id, split_claimed_name
 from protocol.watch import Waker
 
-from ..rollout_types import RolloutFailed, RolloutUnavailable
-from .client import split_sizes
+from ..rollout_types import RolloutFailed, RolloutUnavailable, split_sizes
 
 log = logging.getLogger(__name__)
 
