@@ -286,3 +286,23 @@ def test_a_replay_the_environment_answers_otherwise_stops_the_run(tiny_model, tm
             sampler.collect(call)
     finally:
         sampler.close()
+
+
+def test_a_call_made_again_for_its_step_replaces_the_first_whose_episodes_are_then_dropped(tiny_model, tmp_path):
+    import time
+    from dataclasses import replace
+
+    tokenizer = tokenizer_of(tiny_model)
+    cfg = env_config(tmp_path, tiny_model, "user_envs:Chat", max_turns=3)
+    sampler = EpisodeSampler(cfg, Service(ScriptedTurns(tokenizer, ["7", "8", "9"])), PROBLEMS[:2], tokenizer)
+    try:
+        stale = sampler.submit(ticket(PROBLEMS[:2], tiny_model))
+        fresh = sampler.submit(replace(stale, weights=WeightsRef(str(tiny_model), "newer", 3)))
+        groups = sampler.collect(fresh)
+        assert [g.weights_step for g in groups] == [3, 3]
+        deadline = time.monotonic() + 60
+        while sampler.runner.episodes or list((tmp_path / "run" / "episodes").iterdir()):
+            assert time.monotonic() < deadline, sampler.runner.episodes.keys()
+            time.sleep(0.01)
+    finally:
+        sampler.close()

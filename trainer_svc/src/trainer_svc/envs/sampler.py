@@ -21,6 +21,9 @@ Decisions, and what they guarantee:
   of engine calls (checking the environment answers as before); only the turns never answered
   go to the engine. So a stop in the middle of episodes, then a relaunch, trains on exactly the
   samples the run never stopped would have.
+- A call made again for the same step and attempt (its first was sampled from weights staler
+  than rollout.max_policy_lag) replaces the first: the first's episodes are dropped, with their
+  journal, once they end.
 - Faults: an environment's fault stops the run (EnvError, exit 2: trainer_svc.envs.pool); the
   engine's as the TurnBatcher says (a dead worker's turns are sent again to another, under fresh
   ids). No progress at all (no turn answered, no environment call returned) for
@@ -62,6 +65,7 @@ class EpisodeSampler:
         self._closing = False
         self._progress_at = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._discarded: set[str] = set()  # calls replaced before they were collected
         self.pool.start()  # the class is imported at launch: a missing module stops it before any step
 
     # -- the Sampler interface -----------------------------------------------------------------
@@ -117,6 +121,10 @@ class EpisodeSampler:
         replay = self.journal.read(name)
         with self._cond:
             self._raise_error()
+            # A call made again for the same step and attempt (its first was sampled from weights too
+            # old to train on) replaces it: the old one's episodes are dropped once they end.
+            again = f"{ticket.tag}-s{ticket.step:08d}-a{ticket.attempt}-"
+            self._discarded.update(old for old in self._calls if old.startswith(again) and old != name)
             if self.runner is None:
                 self.turns = self.service.turn_batcher(ticket.weights)
                 self.runner = EpisodeRunner(
@@ -154,6 +162,7 @@ class EpisodeSampler:
                 with self._cond:
                     if self._closing:
                         return
+                    self._drop_discarded()
                     if not self.runner.running():
                         self._cond.wait(POLL_S)
                         continue
@@ -167,6 +176,16 @@ class EpisodeSampler:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _drop_discarded(self) -> None:
+        for name in [
+            n for n in self._discarded if all(self.runner.episodes[e].ended for ids in self._calls[n] for e in ids)
+        ]:
+            for ids in self._calls.pop(name):
+                for episode in ids:
+                    self.runner.pop(episode)
+            self.journal.drop(name)
+            self._discarded.discard(name)
 
     def _moves(self) -> tuple[int, int]:
         return (
