@@ -45,6 +45,17 @@ class Digits(Environment):
         return Step(reward=share / 2, done=True)
 
 
+class Gated(Chat):
+    """Chat whose first step waits until a file named gate exists beside this module."""
+
+    def step(self, text):
+        from pathlib import Path
+
+        while self.t == 0 and not (Path(__file__).parent / "gate").exists():
+            time.sleep(0.01)
+        return super().step(text)
+
+
 class Raises(Chat):
     def step(self, text):
         if self.t == 1:

@@ -2,7 +2,8 @@
 engine's ids, for every environment turn the ids the next request carried, through the real spool
 with echo workers and with a chat template; a template that rewrites earlier turns ends the
 episode there or stops the run, as env.drift says; tool calls are run and answered; an episode's
-later turns prefer the worker that served its previous one."""
+later turns prefer the worker that served its previous one, and go to another when it is gone;
+a relaunch replays the journaled turns."""
 
 from __future__ import annotations
 
@@ -306,3 +307,41 @@ def test_a_call_made_again_for_its_step_replaces_the_first_whose_episodes_are_th
             time.sleep(0.01)
     finally:
         sampler.close()
+
+
+def test_an_episodes_turn_goes_to_another_worker_when_the_one_that_served_it_is_gone(tiny_model, tmp_path):
+    import time
+
+    workers = EchoWorkers(tmp_path / "spool", tmp_path / "logs")
+    tokenizer = tokenizer_of(tiny_model)
+    try:
+        workers.start("echo-a")
+        workers.start("echo-b")
+        client = SpoolClient(tmp_path / "spool", no_worker_grace_s=30)
+        batcher = TurnBatcher(
+            client, weights_dir=str(tiny_model), weights_content_id=None, max_tokens=4, temperature=1.0, top_p=1.0,
+            stop=[],
+        )  # fmt: skip
+        turns = Recording(batcher)
+        cfg = env_config(tmp_path, tiny_model, "user_envs:Gated", max_turns=3)
+        sampler = EpisodeSampler(cfg, Service(turns), PROBLEMS[:2], tokenizer)
+        try:
+            call = sampler.submit(ticket(PROBLEMS[:2], tiny_model))
+            deadline = time.monotonic() + 60
+            while len(turns.outcomes) < 4:  # every episode's first turn answered; their steps wait at the gate
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            gone = turns.outcomes[sorted(turns.outcomes)[0]].worker_id
+            workers.stop(gone)
+            (tmp_path / "user" / "gate").touch()
+            groups = sampler.collect(call)
+        finally:
+            sampler.close()
+    finally:
+        workers.close()
+    check_exact(
+        groups, turns.turns, turns.outcomes, lambda t: tokenizer(f"ok{t}", add_special_tokens=False)["input_ids"]
+    )
+    moved = [k for k, turn in turns.turns.items() if turn.prefer_worker == gone and k.endswith(".t1")]
+    assert moved and all(turns.outcomes[k].worker_id != gone for k in moved)
+    assert {(s.turns, s.ended) for g in groups for s in g.samples} == {(3, "done")}
