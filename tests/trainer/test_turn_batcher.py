@@ -82,8 +82,19 @@ def drain(batcher: TurnBatcher, timeout_s: float = 60.0) -> dict[str, TurnOutcom
     return outcomes
 
 
-def archived_requests(spool_dir) -> list:
+def seeds_of(request) -> list[int]:
+    """The seeds a request carries: the turns' indices, as `turn` seeds them."""
+    return list(request.prompt_seeds)
+
+
+def archived_requests(spool_dir, dead_claims: int = 0, timeout_s: float = 30.0) -> list:
+    """The requests served, once the workers have archived them (a worker publishes a result,
+    then archives its request); `dead_claims`: claims of dead workers, never archived."""
     spool = Spool(spool_dir)
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(spool.claimed)) > dead_claims or os.listdir(spool.requests):
+        assert time.monotonic() < deadline, "requests still pending or claimed"
+        time.sleep(0.05)
     return [decode_request(p.read_bytes()) for p in sorted(spool.done.glob("*.request.json"))]
 
 
@@ -110,6 +121,9 @@ def test_turns_put_together_go_out_as_one_request_per_live_worker(tmp_path, work
     requests = archived_requests(tmp_path / "spool")
     assert [len(r.prompt_token_ids) for r in requests] == [20, 20]  # spread evenly
     assert all(r.n_samples_per_prompt == 1 and r.logprobs for r in requests)
+    assert sorted(r.prefer_worker for r in requests) == ["echo-a", "echo-b"]  # and each served by its target
+    served_by = {o.key: o.worker_id for o in outcomes.values()}
+    assert all(served_by[f"ep{i}.t0"] == r.prefer_worker for r in requests for i in seeds_of(r))
 
 
 def test_a_request_carries_at_most_max_prompts_per_request_in_even_parts(tmp_path, workers, batchers):
@@ -143,9 +157,26 @@ def test_turns_go_to_their_live_preferred_worker_and_the_others_spread_over_the_
     for i in indices:
         # 6 prefer echo-a; 2 have no preference; 4 prefer a worker that does not exist
         batcher.put(turn(i, "echo-a" if i < 6 else None if i < 8 else "gone"))
-    assert_echoed(drain(batcher), indices)
+    outcomes = drain(batcher)
+    assert_echoed(outcomes, indices)
     # echo-a holds 6, so the 6 others fill echo-b up to it: one request per worker
-    assert sorted(len(r.prompt_token_ids) for r in archived_requests(tmp_path / "spool")) == [6, 6]
+    requests = {r.prefer_worker: r for r in archived_requests(tmp_path / "spool")}
+    assert sorted(requests) == ["echo-a", "echo-b"]
+    assert seeds_of(requests["echo-a"]) == list(range(6)) and seeds_of(requests["echo-b"]) == list(range(6, 12))
+    assert {outcomes[f"ep{i}.t0"].worker_id for i in range(6)} == {"echo-a"}
+    assert {outcomes[f"ep{i}.t0"].worker_id for i in range(6, 12)} == {"echo-b"}
+
+
+def test_turns_without_a_seed_travel_unseeded_in_requests_of_their_own(tmp_path, workers, batchers):
+    workers.start("echo-a")
+    batcher = batchers(max_wait_s=0.0)
+    batcher.put(turn(0))
+    batcher.put(Turn("free.t0", prompt(1), seed=None, prefer_worker=None))
+    batcher.put(turn(2))
+    outcomes = drain(batcher)
+    assert outcomes["free.t0"].token_ids == prompt(1)[:MAX_TOKENS]
+    sent = sorted((r.prompt_seeds or [], r.seed) for r in archived_requests(tmp_path / "spool"))
+    assert sent == [([], None), ([0, 2], None)]
 
 
 def test_turns_keep_the_weights_they_were_put_with(tmp_path, workers, batchers):
@@ -183,7 +214,7 @@ def test_a_request_held_by_a_dead_worker_is_sent_again_under_a_fresh_id(tmp_path
     assert {o.worker_id for o in outcomes.values()} == {"echo-b"}
     assert batcher.resent == 1 and batcher.requests_sent == 2
     assert [c.name for c in spool.entries("claimed")] == [spool.claim_path(entry.name, "ghost").name]  # not served
-    (served,) = archived_requests(tmp_path / "spool")
+    (served,) = archived_requests(tmp_path / "spool", dead_claims=1)
     assert served.request_id != entry.name.removesuffix(".json")
 
 

@@ -14,7 +14,12 @@ Guarantees:
   the requests of one send published with one directory fsync.
 - A turn's target is the worker it prefers when that worker is alive; turns with no live
   preference are spread over the live workers, each going to the one with the fewest prompts in
-  flight. One sample per prompt (n_samples_per_prompt = 1: the G episodes of a row are G turns).
+  flight. A request names its target in `prefer_worker`, so the target serves it while it lives
+  (the spool's sticky rule: others take it once it is dead, or after their `--sticky-wait-s`).
+- Each prompt carries its turn's seed in `prompt_seeds`, so a turn samples the same whichever
+  request and position it travels in (turns without a seed travel in requests of their own
+  kind, unseeded). One sample per prompt (n_samples_per_prompt = 1: the G episodes of a row are
+  G turns).
 - Every turn put is returned exactly once, as a TurnOutcome with its key: a request whose worker
   died holding it (its claim's worker has no live heartbeat), or that failed with a transient
   error (ErrorCode.transient), is sent again under a fresh request id, to any worker, at most
@@ -199,7 +204,7 @@ class TurnBatcher:
         for flight in self._in_flight.values():
             if flight.target in load:
                 load[flight.target] += len(flight.turns)
-        groups: dict[tuple[_Weights, str | None], list[Turn]] = {}
+        groups: dict[tuple[_Weights, str | None, bool], list[Turn]] = {}
         preferred = [q for q in queued if q.turn.prefer_worker in load]
         for q in preferred:
             load[q.turn.prefer_worker] += 1
@@ -211,9 +216,9 @@ class TurnBatcher:
                     load[target] += 1
                 targets[id(q)] = target
         for q in queued:
-            groups.setdefault((q.weights, targets[id(q)]), []).append(q.turn)
+            groups.setdefault((q.weights, targets[id(q)], q.turn.seed is None), []).append(q.turn)
         flights = []
-        for (weights, target), turns in groups.items():
+        for (weights, target, _), turns in groups.items():
             # parts of even size, not full ones and a remainder
             start = 0
             for size in split_sizes(len(turns), math.ceil(len(turns) / self.max_prompts_per_request)):
@@ -241,6 +246,8 @@ class TurnBatcher:
             stop=self.stop,
             logprobs=True,
             tag=self.tag,
+            prefer_worker=flight.target,
+            prompt_seeds=None if flight.turns[0].seed is None else [turn.seed for turn in flight.turns],
         )
 
     def _next_id(self) -> str:
