@@ -94,6 +94,20 @@ def test_a_seeded_request_repeats_and_its_prompts_draw_independent_samples(worke
     assert first.token_ids[0] != first.token_ids[1]
 
 
+def test_prompt_seeds_make_a_prompts_samples_independent_of_its_request(worker, models, client_for):
+    """With `prompt_seeds`, a prompt samples the same alone and third in a request of three (the
+    position a turn gets in a batch of turns); with the request's `seed` instead, its position
+    changes its seed, and so its samples."""
+    client = client_for(worker["spool"].root)
+    fields = dict(n_samples_per_prompt=2, max_tokens=10, temperature=1.0)
+    alone = ask(client, models["a"], ["12+7="], prompt_seeds=[5], **fields)
+    batched = ask(client, models["a"], ["Hello", "3+4=", "12+7="], prompt_seeds=[9, 8, 5], **fields)
+    assert alone.ok and batched.ok
+    assert batched.token_ids[2] == alone.token_ids[0]
+    by_position = ask(client, models["a"], ["Hello", "3+4=", "12+7="], seed=5, **fields)
+    assert by_position.ok and by_position.token_ids[2] != alone.token_ids[0]
+
+
 def test_prompts_as_token_ids_give_the_same_greedy_output(worker, models, client_for):
     client = client_for(worker["spool"].root)
     by_text = ask(client, models["a"], ["12+7="])

@@ -39,16 +39,18 @@ class FailingSpoolServer(SpoolServer):
         return self._echo(request) if self.echo else super().serve(request)
 
     def _echo(self, request: Request) -> Result:
-        kept = [p[: request.max_tokens] for p in request.prompts]
+        # Token ids are code points, as the echo engine's: prompts given as ids are echoed as ids.
+        prompt_ids = request.prompt_token_ids or [[ord(c) for c in p] for p in request.prompts]
+        kept = [ids[: request.max_tokens] for ids in prompt_ids]
         n = request.n_samples_per_prompt
         return Result(
             request_id=request.request_id,
             ok=True,
-            texts=[[k] * n for k in kept],
-            token_ids=[[[ord(c) for c in k]] * n for k in kept],
+            texts=[["".join(map(chr, k))] * n for k in kept],
+            token_ids=[[k] * n for k in kept],
             logprobs=[[[0.0] * len(k)] * n for k in kept],
-            finish_reasons=[["length"] * n for _ in kept],
-            prompt_token_ids=[[ord(c) for c in p] for p in request.prompts],
+            finish_reasons=[["length" if len(ids) > request.max_tokens else "stop"] * n for ids in prompt_ids],
+            prompt_token_ids=prompt_ids,
             weights_dir=request.weights_dir,
             worker_id=self.worker_id,
             finished_at=time.time(),

@@ -95,6 +95,17 @@ BAD = {
         "`$.reward`",
         "reward.weights[0] (for 'a.b:c') = inf is not a finite number",
     ),
+    "an env class that is no class name": (
+        MINIMAL + '[env]\nclass = "my_envs.py"\n',
+        "`$.env`",
+        "env.class = 'my_envs.py' does not name a class",
+    ),
+    "an env without a class": (MINIMAL + "[env]\nmax_turns = 2\n", "`class`", "missing required field"),
+    "an env with the canary": (
+        MINIMAL + '[env]\nclass = "m:E"\n[canary]\nevery = 5\n',
+        "",
+        "canary.every = 5 with an [env] section",
+    ),
     "missing [run]": ('[model]\npath = "model"\n', "`run`", "missing required field"),
     "missing run.dir": ('[run]\nseed = 1\n[model]\npath = "model"\n', "`dir`", "missing required field"),
     "not TOML": ("[run\ndir = ", "", "not valid TOML"),
@@ -131,6 +142,13 @@ def test_the_keys_reward_functions_replaced_are_refused_naming_what_to_write(tmp
     # what it says to write loads, and is the same reward
     fixed = write(tmp_path, MINIMAL + f'[reward]\nfunctions = ["correct", "format", "overlong"]\nweights = {weights}\n')
     assert load(fixed).reward.weights == [float(w) for w in weights.strip("[]").split(", ")]
+
+
+def test_an_env_section_loads_with_its_class(tmp_path):
+    cfg = load(write(tmp_path, MINIMAL + '[env]\nclass = "my_envs:AddThenAdd"\nmax_turns = 2\n'))
+    assert (cfg.env.class_, cfg.env.max_turns, cfg.env.drift) == ("my_envs:AddThenAdd", 2, "end")
+    assert load(write(tmp_path, dump(cfg).decode(), "again.toml")).env == cfg.env  # the resolved config, read again
+    assert load(write(tmp_path, MINIMAL, "none.toml")).env is None
 
 
 def test_missing_file_is_a_config_error(tmp_path):

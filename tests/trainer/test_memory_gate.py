@@ -32,6 +32,9 @@ def test_the_longest_sequence_is_the_longest_prompt_and_max_tokens(warm_model, t
     prompts = ["1+1=", "12+34=", "7+8="]
     longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
     assert longest_sequence(cfg, tokenizer, prompts) == (longest, longest + 100)
+    # An episode's sequence: up to env.max_episode_tokens.
+    episodes = make_config(tmp_path / "run", warm_model, rollout={"max_tokens": 100}, env={"class": "m:E"})
+    assert longest_sequence(episodes, tokenizer, prompts) == (longest, episodes.env.max_episode_tokens)
 
 
 def test_on_a_cpu_nothing_is_probed_and_the_budget_stays_the_configs(policy, warm_model, tmp_path):

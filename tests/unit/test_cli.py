@@ -237,6 +237,15 @@ def test_serve_passes_sleep_when_idle_to_the_worker(tmp_path, served):
     assert served.configs == [WorkerConfig(worker_id="w1", sleep_when_idle_s=30.0)]
 
 
+def test_serve_passes_the_sticky_wait_to_the_scheduler_and_refuses_a_negative_one(tmp_path, served):
+    base = ("serve", "--spool", str(tmp_path / "s"), "--engine", "echo", "--worker-id", "w1")
+    result = rollout_svc(*base, "--sticky-wait-s", "0.5")
+    assert result.exit_code == exit_codes.OK, result.output
+    assert [c.limits.sticky_wait_s for c in served.configs] == [0.5]
+    result = rollout_svc(*base, "--sticky-wait-s", "-1")
+    assert result.exit_code == exit_codes.USAGE and "--sticky-wait-s" in result.output and len(served.configs) == 1
+
+
 def test_serve_refuses_sleep_on_cpu_naming_the_option(tmp_path, served, monkeypatch):
     monkeypatch.setattr(rollout_cli, "_device", lambda engine: "cpu")
     result = rollout_svc("serve", "--spool", str(tmp_path / "s"), "--engine", "vllm", "--sleep-when-idle", "30")

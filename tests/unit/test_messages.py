@@ -187,6 +187,7 @@ def test_defaults_of_optional_request_fields():
     assert (request.seed, request.top_p, request.stop, request.logprobs) == (None, 1.0, [], True)
     assert (request.deadline, request.tag, request.schema) == (None, "", SCHEMA_VERSION)
     assert (request.prompt_token_ids, request.weights_content_id) == (None, None)
+    assert (request.prefer_worker, request.prompt_seeds) == (None, None)
 
 
 def test_failure_result_carries_code_and_message():
@@ -381,6 +382,42 @@ def test_prompt_token_ids_accepted_instead_of_prompts():
     request = decode_request(as_json(prompts=..., prompt_token_ids=[[1, 2], [3]]))
     assert request.prompts == [] and request.prompt_token_ids == [[1, 2], [3]]
     assert request.num_prompts == 2 and request.num_sequences == 2 * VALID["n_samples_per_prompt"]
+
+
+@given(
+    st.lists(int64, min_size=1, max_size=6).flatmap(
+        lambda seeds: st.tuples(st.just(seeds), text_prompts | token_prompts | chat_prompts)
+    ),
+    st.sampled_from([None, "worker-0", "gpu3.host-b"]),
+)
+def test_prompt_seeds_and_prefer_worker_round_trip(seeds_and_prompts, worker):
+    seeds, prompts = seeds_and_prompts
+    count = len(next(iter(prompts.values())))
+    seeds = (seeds * count)[:count]  # one per prompt
+    request = Request(
+        request_id="r", weights_dir="/w", n_samples_per_prompt=1, max_tokens=1, temperature=1.0,
+        prompt_seeds=seeds, prefer_worker=worker, **prompts,
+    )  # fmt: skip
+    assert decode_request(encode(request)) == request
+
+
+@pytest.mark.parametrize("seeds", [[], [1], [1, 2, 3]])
+def test_prompt_seeds_of_another_length_than_the_prompts_refused(seeds):
+    error = refused(as_json(prompts=["a", "b"], prompt_seeds=seeds))
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert f"holds {len(seeds)} seeds for 2 prompts" in error.message and "one per prompt" in error.message
+
+
+@pytest.mark.parametrize("seeds", [[2**63], [-(2**63) - 1], [1.5], ["7"], 7])
+def test_prompt_seeds_outside_64_bits_or_not_integers_refused(seeds):
+    error = refused(as_json(prompt_seeds=seeds))
+    assert error.code is ErrorCode.INVALID_REQUEST and "prompt_seeds" in error.message
+
+
+@pytest.mark.parametrize("worker", ["", "a b", "w.json", "-w", "w@x", 3])
+def test_prefer_worker_that_is_no_worker_id_refused(worker):
+    error = refused(as_json(prefer_worker=worker))
+    assert error.code is ErrorCode.INVALID_REQUEST and "prefer_worker" in error.message
 
 
 @given(st.text(min_size=1, max_size=20).filter(lambda name: name not in Request.__struct_fields__))

@@ -424,3 +424,62 @@ def test_status_files_are_read_only_until_enough_idle_peers_are_found(spool, mak
     put_call(spool, make_request, "c", 3)
     assert pick_as(spool) == ["c-p0.json"]
     assert len(reads) == 2  # two idle peers bring a three-part call down to one part each
+
+
+# -- a request preferring a worker is left to it while it lives, for sticky_wait_s at most ------------
+
+
+def pick_sticky(spool: Spool, now: float, worker_id: str = "me", sticky_wait_s: float = 2.0, scheduler=None):
+    scheduler = scheduler or Scheduler(spool, Limits(sticky_wait_s=sticky_wait_s))
+    return names(scheduler.pick(spool.pending(), None, now=now, worker_id=worker_id)), scheduler.next_sticky_s
+
+
+def test_a_request_preferring_a_live_peer_is_left_to_it_until_the_sticky_wait_is_over(spool, make_request):
+    peer(spool, "other", "generating")  # alive but busy
+    put(spool, make_request("theirs", prefer_worker="other"), 0)
+    put(spool, make_request("anyone"), 1)
+    picked, next_sticky = pick_sticky(spool, now=BASE + 0.5)
+    assert picked == ["anyone.json"] and next_sticky == pytest.approx(1.5)
+    assert pick_sticky(spool, now=BASE + 2.0)[0] == ["theirs.json", "anyone.json"]  # never starved
+    assert pick_sticky(spool, now=BASE + 0.5, worker_id="other")[0] == ["theirs.json", "anyone.json"]
+
+
+def test_a_pick_with_only_requests_left_to_peers_is_empty_and_says_when_to_look_again(spool, make_request):
+    peer(spool, "other")
+    put(spool, make_request("theirs", prefer_worker="other"), 0)
+    put(spool, make_request("theirs-too", prefer_worker="other"), 1)
+    assert pick_sticky(spool, now=BASE + 1.25) == ([], pytest.approx(0.75))
+
+
+@pytest.mark.parametrize("how", ["dead", "absent", "unreadable"])
+def test_a_request_preferring_a_dead_or_absent_worker_is_taken_at_once(spool, make_request, how):
+    if how == "dead":
+        peer(spool, "other", heartbeat_age_s=3600)
+    elif how == "unreadable":
+        (spool.workers / "other.json").write_bytes(b'{"worker_id": "other", "st')
+    put(spool, make_request("theirs", prefer_worker="other"), 0)
+    assert pick_sticky(spool, now=BASE + 0.1) == (["theirs.json"], None)
+
+
+def test_the_preferred_worker_serves_its_requests_before_the_older_others(spool, make_request):
+    peer(spool, "other")
+    put(spool, make_request("old"), 0)
+    put(spool, make_request("mine", prefer_worker="me"), 1)
+    put(spool, make_request("theirs", prefer_worker="other"), 2)
+    limits = Limits(max_requests=1)
+    scheduler = Scheduler(spool, limits)
+    assert names(scheduler.pick(spool.pending(), None, now=BASE + 2.1, worker_id="me")) == ["mine.json"]
+
+
+def test_a_zero_sticky_wait_leaves_nothing_to_peers(spool, make_request):
+    peer(spool, "other")
+    put(spool, make_request("theirs", prefer_worker="other"), 0)
+    assert pick_sticky(spool, now=BASE, sticky_wait_s=0.0) == (["theirs.json"], None)
+
+
+def test_requests_without_a_preference_for_a_peer_read_no_status_file(spool, make_request, monkeypatch):
+    peer(spool, "other")
+    put(spool, make_request("anyone"), 0)
+    put(spool, make_request("mine", prefer_worker="me"), 1)
+    monkeypatch.setattr(Spool, "live_workers", lambda self, now=None: pytest.fail("status files read"))
+    assert pick_sticky(spool, now=BASE + 0.1)[0] == ["mine.json", "anyone.json"]

@@ -397,6 +397,19 @@ def test_each_prompt_of_a_seeded_request_has_a_seed_of_its_own():
     assert all(0 <= s < 2**62 for s in seeds) and prompt_seed(None, 3) is None
 
 
+def test_a_prompt_given_its_own_seed_samples_by_it_whatever_its_position(make_request):
+    from rollout_svc.engines.vllm_host import own_prompt_seed, prompt_seed, sampling_params
+
+    alone = make_request(prompts=["x"], prompt_seeds=[41], seed=3)
+    third = make_request(prompts=["a", "b", "x"], prompt_seeds=[7, 40, 41], seed=9)
+    assert sampling_params(third, 2).seed == sampling_params(alone, 0).seed == own_prompt_seed(41)
+    assert sampling_params(make_request(prompts=["a", "b"], seed=3), 1).seed == prompt_seed(3, 1)  # without them
+    seeds = sorted(own_prompt_seed(s) for s in range(-8, 64))
+    # adjacent own seeds are far apart too: vLLM seeds a prompt's samples seed, seed + 1, ...
+    assert min(b - a for a, b in zip(seeds, seeds[1:], strict=False)) > 10**6
+    assert all(0 <= s < 2**62 for s in seeds) and own_prompt_seed(2**63 - 1) < 2**62
+
+
 class RecordingLLM:
     """The engine process's `LLM`, recording what a weight change asks of it; a load answers with
     the block sums `sums` gives (None: the sums of nothing)."""

@@ -34,6 +34,7 @@ Prompt = Annotated[str, msgspec.Meta(max_length=1_000_000)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 UnitInterval = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit signed integer
 
 
 def is_valid_id(text: str) -> bool:
@@ -116,6 +117,15 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # different idle workers (a worker takes only its share while others are idle). None: a call
     # of its own, batched with any request for the same weights.
     call_id: Id | None = None
+    # The worker that should serve this request while it lives (it holds the episode's earlier
+    # turns in its prefix cache): other workers leave it to that one for up to their
+    # `--sticky-wait-s` after its arrival while that worker's heartbeat is fresh, and take it at
+    # once when the worker is dead or has no status file. None: any worker.
+    prefer_worker: WorkerId | None = None
+    # One sampling seed per prompt, in prompt order: a prompt's samples then depend on its own
+    # seed, not on which request or batch position it travelled in. Overrides `seed`'s per-prompt
+    # derivation; the length must equal the number of prompts.
+    prompt_seeds: list[Seed] | None = None
     schema: int = SCHEMA_VERSION  # message version, see SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -131,6 +141,11 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("each conversation of `messages` must hold at least one turn")
         if self.prompt_token_ids and any(not ids or min(ids) < 0 for ids in self.prompt_token_ids):
             raise ValueError("each list of `prompt_token_ids` must be non-empty and hold ids >= 0")
+        if self.prompt_seeds is not None and len(self.prompt_seeds) != self.num_prompts:
+            raise ValueError(
+                f"`prompt_seeds` holds {len(self.prompt_seeds)} seeds for {self.num_prompts} prompts; "
+                "give one per prompt"
+            )
 
     @property
     def num_prompts(self) -> int:

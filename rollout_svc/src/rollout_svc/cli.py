@@ -114,6 +114,14 @@ def serve(
     max_wait: Annotated[
         float, typer.Option(help="A request waiting longer is served next, whatever its weights.")
     ] = Limits.max_wait_s,
+    sticky_wait_s: Annotated[
+        float,
+        typer.Option(
+            "--sticky-wait-s",
+            help="Seconds a request preferring another live worker (prefer_worker) is left to it; "
+            "a dead or absent one's requests are taken at once.",
+        ),
+    ] = Limits.sticky_wait_s,
     max_samples: Annotated[
         int, typer.Option(help="Most n_samples_per_prompt of one request; above it: request_too_large.")
     ] = RequestLimits.max_samples,
@@ -229,6 +237,8 @@ def serve(
     ):
         if value < 1:
             raise typer.BadParameter(f"{value} must be at least 1", param_hint=name)
+    if sticky_wait_s < 0:
+        raise typer.BadParameter(f"{sticky_wait_s} must be at least 0", param_hint="--sticky-wait-s")
     for root in allowed_root or []:
         if not root.is_dir():
             raise typer.BadParameter(f"{root} is not a directory", param_hint="--allowed-root")
@@ -263,7 +273,9 @@ def serve(
         heartbeat_s=heartbeat,
         idle_exit_s=idle_exit or None,
         stop_grace_s=stop_grace,
-        limits=Limits(max_requests=max_batch, max_sequences=max_sequences, max_wait_s=max_wait),
+        limits=Limits(
+            max_requests=max_batch, max_sequences=max_sequences, max_wait_s=max_wait, sticky_wait_s=sticky_wait_s
+        ),
         request_limits=RequestLimits(max_samples, max_prompts, max_request_tokens, max_result_bytes),
         poll=poll,
         preload=str(weights.absolute()) if weights else None,

@@ -16,6 +16,15 @@ one more engine call of this worker, whatever the number of parts and of such pe
 Status files are read only when a call has several parts pending, and only until enough idle
 peers are found to bring the share down to one part.
 
+Stickiness: a request naming a `prefer_worker` other than this worker is left to that worker
+while its heartbeat is fresh and the request has waited less than `sticky_wait_s` since it was
+written (its file's mtime); it is taken at once when that worker is dead or has no status file,
+and by any worker once the wait is over, so a busy or frozen preferred worker delays it by at
+most `sticky_wait_s` and never starves it. A worker serves the requests that prefer it before
+the others of the same weights. Status files are read once per pick, and only when a pending
+request prefers another worker. `next_sticky_s` says when the next request left to a peer
+becomes this worker's, so that the worker waits that long at most before it looks again.
+
 The pick reads request files before claiming them. That is safe: files in requests/ are
 complete by contract, and the authoritative read happens again after the claim.
 """
@@ -36,6 +45,7 @@ class Limits:
     max_requests: int = 64  # requests claimed per batch
     max_sequences: int = 4096  # completions (prompts x samples) per engine call
     max_wait_s: float = 60.0  # a request older than this is served next, whatever its weights
+    sticky_wait_s: float = 2.0  # a request preferring another live worker is left to it this long
 
 
 def weights_key(request: Request) -> tuple[str, str | None]:
@@ -49,6 +59,7 @@ class Scheduler:
         self.limits = limits or Limits()
         self._peeked: dict[tuple[str, float, int], Request | None] = {}
         self._shared: set[str] = set()  # calls this worker served a share of that still have parts pending
+        self.next_sticky_s: float | None = None  # from the last pick: seconds until a request left to a peer is ours
 
     def pick(
         self,
@@ -60,6 +71,7 @@ class Scheduler:
     ) -> list[Entry]:
         """Entries to claim now, from `entries` (oldest first, as Spool.pending returns).
         `worker_id`: the picking worker, whose own status file does not count as an idle peer."""
+        self.next_sticky_s = None
         if not entries:
             self._shared.clear()
             return []
@@ -70,6 +82,9 @@ class Scheduler:
         answer_now = [e for e, r in peeked if r is None or (r.deadline is not None and r.deadline < now)]
         if answer_now:
             return answer_now[: self.limits.max_requests]
+        peeked = self._not_left_to_peers(peeked, now, worker_id)
+        if not peeked:
+            return []
         oldest_entry, oldest = peeked[0]
         target = weights_key(oldest)
         if loaded_weights_dir is not None and now - oldest_entry.mtime < self.limits.max_wait_s:
@@ -78,6 +93,8 @@ class Scheduler:
                     target = weights_key(request)
                     break
         candidates = [(entry, request) for entry, request in peeked if weights_key(request) == target]
+        if worker_id is not None:  # those preferring this worker first (a stable sort keeps their age order)
+            candidates.sort(key=lambda pair: pair[1].prefer_worker != worker_id)
         shares = self._shares([request for _, request in candidates], worker_id)
         batch, sequences, taken = [], 0, Counter()
         for entry, request in candidates:
@@ -90,6 +107,19 @@ class Scheduler:
             sequences += request.num_sequences
             taken[request.call_id] += 1
         return batch
+
+    def _not_left_to_peers(self, peeked: list, now: float, worker_id: str | None) -> list:
+        """`peeked` without the requests left to the live peer they prefer (module docstring);
+        sets `next_sticky_s` from those left."""
+        preferring_peers = [(e, r) for e, r in peeked if r.prefer_worker not in (None, worker_id)]
+        waiting = [(e, r) for e, r in preferring_peers if now - e.mtime < self.limits.sticky_wait_s]
+        if not waiting:
+            return peeked
+        live = {status.worker_id for status in self.spool.live_workers()}
+        left = {e.name for e, r in waiting if r.prefer_worker in live}
+        if left:
+            self.next_sticky_s = min(e.mtime + self.limits.sticky_wait_s - now for e, _ in waiting if e.name in left)
+        return [(e, r) for e, r in peeked if e.name not in left]
 
     def served(self, call_ids) -> None:
         """Record the calls whose parts this worker claimed and serves now: parts of them still

@@ -207,8 +207,9 @@ class Worker:
             self.tally.queue_depth = len(pending)
             self._write_metrics()
             entries = self.skipped.servable(pending)
-            if entries:
-                batch = self.scheduler.pick(entries, self.engine.weights_dir, worker_id=self.config.worker_id)
+            # Empty when every pending request is left to the live peer it prefers (scheduling)
+            batch = self.scheduler.pick(entries, self.engine.weights_dir, worker_id=cfg.worker_id) if entries else []
+            if batch:
                 exit_code = self._serve_batch(batch)
                 if exit_code is not None:
                     return exit_code
@@ -221,7 +222,8 @@ class Worker:
             if cfg.sleep_when_idle_s is not None and not sleep_tried and now - last_work >= cfg.sleep_when_idle_s:
                 sleep_tried = True
                 self._sleep(now - last_work)
-            self._waker.wait(cfg.rescan_s)
+            sticky = self.scheduler.next_sticky_s if entries else None  # a request left to a peer may become ours
+            self._waker.wait(cfg.rescan_s if sticky is None else max(0.0, min(cfg.rescan_s, sticky)))
         log.info("stop requested; exiting")
         return EXIT_OK
 

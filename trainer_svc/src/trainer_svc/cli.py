@@ -85,6 +85,7 @@ def train(
     from protocol.private_dirs import NotPrivate
 
     from .data import DataError
+    from .envs.errors import EnvError
     from .rails.gates import GateRefused, check_config
     from .rollout_types import RolloutFailed, RolloutUnavailable
     from .run.loop import train as run_training
@@ -95,7 +96,7 @@ def train(
         code = run_training(cfg, stage="grpo_smoke" if smoke else "grpo")
     except GateRefused as exc:
         raise _fail(exit_codes.GATE_REFUSED, str(exc)) from None
-    except (DataError, RewardFunctionError) as exc:  # rows or reward functions to fix
+    except (DataError, RewardFunctionError, EnvError) as exc:  # rows, reward functions or environments to fix
         raise _fail(exit_codes.USAGE, str(exc)) from None
     except RolloutUnavailable as exc:
         raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
@@ -167,6 +168,49 @@ def sft(config: ConfigArg) -> None:
         raise _fail(exit_codes.USAGE, str(exc)) from None
     typer.echo(
         f"warm-up: {report['steps']} steps, sampled accuracy {report['sampled_accuracy']:.2f}; model in {report['out']}"
+    )
+
+
+@app.command("eval-env")
+def eval_env(
+    config: ConfigArg,
+    weights: Annotated[Path, typer.Option(help="Weights directory to evaluate (absolute, readable by the workers).")],
+    out: Annotated[Path, typer.Option(help="Output JSONL: one row per input row, with its episodes.")],
+    rows: Annotated[
+        Path | None, typer.Option(help="JSONL or Parquet rows ([data]'s fields); default: the run's held-out rows.")
+    ] = None,
+    samples: Annotated[int, typer.Option(min=1, help="Episodes per row.")] = 1,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0: greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the episodes (and of their sampling).")] = 0,
+) -> None:
+    """Run the config's [env] environment over rows through the rollout workers; prints the mean reward."""
+    _setup_logging()
+    cfg = _load(config, False)
+    if cfg.env is None:
+        raise _fail(exit_codes.USAGE, f"{config} has no [env] section: name the environment (class = ...)")
+    from protocol.evaluation import write_rows
+
+    from .data import DataError, load_problems, read_prompt_file, row_format
+    from .envs.errors import EnvError
+    from .envs.evaluate import evaluate
+    from .learning.model import load_tokenizer
+    from .rollout.client import RolloutService
+    from .rollout_types import RolloutFailed, RolloutUnavailable, WeightsRef
+
+    try:
+        problems = read_prompt_file(rows, row_format(cfg.data)) if rows else load_problems(cfg.data, cfg.run.seed)[1]
+        service = RolloutService(cfg, cuda_devices=0 if not cfg.rollout.spawn else None)
+        report = evaluate(
+            cfg, service, problems, load_tokenizer(cfg.model.path), weights=WeightsRef(str(weights.absolute())),
+            samples=samples, temperature=temperature, seed=seed,
+        )  # fmt: skip
+    except (DataError, EnvError, RolloutFailed) as exc:
+        raise _fail(exit_codes.USAGE, str(exc)) from None
+    except RolloutUnavailable as exc:
+        raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    write_rows(out, report.rows)
+    typer.echo(
+        f"reward {report.reward:.4f} over {len(report.rows)} rows x {samples} episodes in {report.seconds:.1f} s"
     )
 
 

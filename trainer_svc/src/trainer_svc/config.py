@@ -385,6 +385,35 @@ class LoraConfig(Struct):
         return self.rank > 0
 
 
+USER_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # "package.module:Class"
+
+
+class EnvConfig(Struct):
+    """Multi-turn episodes (trainer_svc.envs): an environment class of yours, one instance per
+    episode, talks with the policy turn by turn; its reward is the sample's. Left out: one turn,
+    scored by [reward]."""
+
+    class_: str = msgspec.field(name="class")  # "package.module:Class", importable from PYTHONPATH
+    max_turns: Positive = 4  # assistant turns per episode, at most (tool calls count as turns)
+    # Tokens of a whole episode (first prompt, every assistant and environment turn), at most: an
+    # episode whose next environment turn would pass it ends before that turn.
+    max_episode_tokens: Positive = 1024
+    timeout_s: PositiveFloat = 30.0  # longest one call of the environment (its creation, a step, a tool) may take
+    concurrency: Positive = 2  # environment worker processes (each holds many episodes, one call at a time)
+    memory_mb: NonNegative = 0  # address-space limit of each environment process (RLIMIT_AS); 0: none
+    # When the chat template renders the conversation so far differently from the ids the engine
+    # saw (Qwen3-style templates drop earlier reasoning): "end" ends the episode there (its sample is
+    # the ids the engine saw, counted in env_drift_ends); "refuse" stops the run (exit 2).
+    drift: Literal["end", "refuse"] = "end"
+
+    def __post_init__(self) -> None:
+        if not USER_CLASS.fullmatch(self.class_):
+            raise ValueError(
+                f'env.class = {self.class_!r} does not name a class: write it "package.module:Class", the module '
+                "importable from PYTHONPATH"
+            )
+
+
 class Config(Struct):
     run: RunConfig
     model: ModelConfig
@@ -401,8 +430,15 @@ class Config(Struct):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     sft: SftConfig | None = None
+    env: EnvConfig | None = None  # multi-turn episodes; None: single-turn sampling
 
     def __post_init__(self) -> None:
+        if self.env is not None and self.canary.every:
+            raise ValueError(
+                f"canary.every = {self.canary.every} with an [env] section: the canary asks single-turn questions "
+                "and checks the answer against a gold, which an environment's episodes do not have; set canary.every "
+                "= 0 and evaluate the environment with `trainer-svc eval-env`"
+            )
         if self.lora.on:
             for key in ("slots", "delta"):
                 if getattr(self.publish, key) == "on":

@@ -20,9 +20,16 @@ class WeightsRef:
 @dataclass
 class Sample:
     token_ids: list[int]
-    logprobs: list[float]  # sampling logprob of each token, as the engine drew it
+    logprobs: list[float]  # sampling logprob of each token, as the engine drew it (0.0 where not drawn)
     text: str
     finish_reason: str
+    # A multi-turn episode (trainer_svc.envs): token_ids are every turn after the first prompt, in
+    # order; loss_mask holds 1 on the ids the engine generated, 0 on the environment's (weighed 0
+    # in the loss). None: one turn, every id generated.
+    loss_mask: list[int] | None = None
+    reward: float | None = None  # an episode's reward, as its environment gave it; None: scored by [reward]
+    turns: int = 1  # assistant turns
+    ended: str = ""  # why an episode ended (trainer_svc.envs.episodes); "": one turn
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Ticket:
     temperature: float | None = None  # None: rollout.temperature
     tag: str = "train"
     parts: tuple[int, ...] = ()  # prompts per request, in order
+    problem_ids: tuple[str, ...] = ()  # the rows the prompts are of, in order (episodes are made from the row)
     request_ids: tuple[str, ...] = ()
 
     @property
@@ -62,6 +70,14 @@ class Ticket:
     def from_state(cls, state: dict) -> Ticket:
         fields = {**state, "weights": WeightsRef(**state["weights"])}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def split_sizes(total: int, parts: int) -> tuple[int, ...]:
+    """`total` items in `parts` contiguous parts whose sizes differ by at most one (no empty part):
+    a call's prompts over its requests (Ticket.parts), a send's turns over a worker's requests."""
+    parts = max(1, min(parts, total))
+    base, extra = divmod(total, parts)
+    return tuple(base + (i < extra) for i in range(parts))
 
 
 class RolloutUnavailable(RuntimeError):

@@ -6,10 +6,11 @@ characters of its prompt, finishing with "length" when that cut it short and "st
 Each token's logprob is 0.0 (the echo is certain). Prompts given as token ids are echoed as
 those ids, their text being the code points they name (an id past U+10FFFF is U+FFFD; one naming
 a surrogate, which no text can hold, refuses its request with `invalid_request`); a conversation
-(`messages`) is echoed as its last turn's text. It loads nothing, so it never reports a state
-to its listener and every completion has a reload of 0 seconds and 0 bytes. It sleeps when
-asked (there is nothing to free) and is awake again at its next call, so the worker's sleep
-settings can be tried without a GPU.
+(`messages`) is echoed as its last turn's text. It draws nothing at random, so its completions
+depend on no seed (`seed`, `prompt_seeds`) and on no batch: each is its prompt's. It loads
+nothing, so it never reports a state to its listener and every completion has a reload of 0
+seconds and 0 bytes. It sleeps when asked (there is nothing to free) and is awake again at its
+next call, so the worker's sleep settings can be tried without a GPU.
 """
 
 from __future__ import annotations

@@ -449,7 +449,7 @@ def sampling_params(request: Request, index: int, **overrides):
         detokenize=bool(request.stop),
         logprobs=0 if request.logprobs else None,
         flat_logprobs=True,
-        seed=prompt_seed(request.seed, index),
+        seed=seed_of_prompt(request, index),
     )
     return SamplingParams(**(settings | overrides))
 
@@ -466,6 +466,23 @@ def _checked_sampling_params(request: Request, index: int):
             ErrorCode.INVALID_REQUEST,
             f"vLLM refuses the request's sampling settings: {exc}; change the setting it names",
         ) from None
+
+
+def seed_of_prompt(request: Request, index: int) -> int | None:
+    """The engine seed of prompt `index` of `request`: from the prompt's own seed when the request
+    gives `prompt_seeds` (so the prompt samples the same in any request and at any position of
+    it), else from the request's `seed` and the index (prompt_seed)."""
+    if request.prompt_seeds is not None:
+        return own_prompt_seed(request.prompt_seeds[index])
+    return prompt_seed(request.seed, index)
+
+
+def own_prompt_seed(seed: int) -> int:
+    """The engine seed of a prompt whose request gave it `seed` (prompt_seeds), hashed as
+    prompt_seed's are, and for the same reason: vLLM seeds sample j with seed + j, so prompts
+    seeded s and s + 1 would share all but one of their samples' random numbers."""
+    digest = hashlib.blake2b(f"prompt:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # below 2**62: vLLM adds the sample's index
 
 
 def prompt_seed(seed: int | None, index: int) -> int | None:

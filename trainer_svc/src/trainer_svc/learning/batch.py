@@ -7,7 +7,9 @@ not change with the split (its denominators are the whole step's: grpo.token_wei
 
 Sequence i is prompt_i + completion_i, right-padded. `completion_mask[i, t]` marks the
 positions whose *token* was generated; the logits predicting token t sit at position t - 1,
-so `targets` are the inputs shifted left by one and masks are shifted the same way.
+so `targets` are the inputs shifted left by one and masks are shifted the same way. A
+multi-turn sample's completion holds environment turns too (Sample.loss_mask): their positions
+have mask 0, so every loss weight, count and correction leaves them out (their gradient is 0).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Batch:
 
 def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int) -> Batch:
     """`advantages`: [P, G], aligned with groups[p].samples[g]."""
-    rows, gen_lengths, prompt_lengths, rollout_lps, seq_adv = [], [], [], [], []
+    rows, gen_lengths, prompt_lengths, rollout_lps, seq_adv, loss_masks = [], [], [], [], [], []
     for p, group in enumerate(groups):
         for g, sample in enumerate(group.samples):
             rows.append(group.prompt_ids + sample.token_ids)
@@ -71,6 +73,7 @@ def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int) -> Batch
             gen_lengths.append(len(sample.token_ids))
             rollout_lps.append(sample.logprobs)
             seq_adv.append(float(advantages[p, g]))
+            loss_masks.append(sample.loss_mask)
     n, width = len(rows), max(len(r) for r in rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
@@ -80,7 +83,7 @@ def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int) -> Batch
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
         start, end = prompt_lengths[i] - 1, prompt_lengths[i] - 1 + gen_lengths[i]
-        mask[i, start:end] = 1.0
+        mask[i, start:end] = 1.0 if loss_masks[i] is None else torch.tensor(loss_masks[i], dtype=torch.float32)
         if rollout_lps[i]:
             rollout[i, start:end] = torch.tensor(rollout_lps[i], dtype=torch.float32)
     return Batch(

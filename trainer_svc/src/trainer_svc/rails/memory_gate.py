@@ -2,14 +2,14 @@
 run whose longest sequence cannot fit, instead of running out of memory in the middle of it.
 
 The longest sequence a config allows is its longest prompt (tokenized as the worker renders it)
-plus rollout.max_tokens. The gate runs the training pass itself (forward, log-probs, loss,
-backward) on a micro-batch of one synthetic sequence of that length and on one of two, and reads
-the device's peak: the difference is what one more sequence of the longest length costs, the rest
-what a micro-batch costs whatever its size (gradients, workspaces). Micro-batches grow by
-sequences, so this is the line they follow; a shorter sequence costs no more a token than the
-longest (attention's cost per token grows with length), so the line errs high for them. The
-optimizer's states, allocated at the first step, are counted in: two per trainable parameter, in
-float32.
+plus rollout.max_tokens; with an [env], an episode's, up to env.max_episode_tokens. The gate runs
+the training pass itself (forward, log-probs, loss, backward) on a micro-batch of one synthetic
+sequence of that length and on one of two, and reads the device's peak: the difference is what
+one more sequence of the longest length costs, the rest what a micro-batch costs whatever its
+size (gradients, workspaces). Micro-batches grow by sequences, so this is the line they follow; a
+shorter sequence costs no more a token than the longest (attention's cost per token grows with
+length), so the line errs high for them. The optimizer's states, allocated at the first step,
+are counted in: two per trainable parameter, in float32.
 
   - one sequence of the longest length does not fit in the memory free for this process: the run
     is refused (exit 3) with the figures and what to change;
@@ -55,7 +55,7 @@ class Costs:
 
 
 def longest_sequence(cfg: Config, tokenizer, prompts) -> tuple[int, int]:
-    """(the longest prompt's tokens, that + rollout.max_tokens)."""
+    """(the longest prompt's tokens, that + rollout.max_tokens; an episode's cap where it is longer)."""
     longest = 0
     for prompt in prompts:
         if is_conversation(prompt):
@@ -64,6 +64,8 @@ def longest_sequence(cfg: Config, tokenizer, prompts) -> tuple[int, int]:
         else:
             count = len(tokenizer(prompt)["input_ids"])
         longest = max(longest, count)
+    if cfg.env is not None:  # an episode's whole sequence: its turns end before env.max_episode_tokens
+        return longest, max(longest + cfg.rollout.max_tokens, cfg.env.max_episode_tokens)
     return longest, longest + cfg.rollout.max_tokens
 
 

@@ -46,18 +46,11 @@ from protocol.rows import prompt_fields
 from protocol.spool import split_claimed_name
 
 from ..config import Config
-from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket
+from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket, WeightsRef, split_sizes
 from .spawned_worker import SpawnedWorker
 from .waiting import WaitNotes
 
 log = logging.getLogger(__name__)
-
-
-def split_sizes(total: int, parts: int) -> tuple[int, ...]:
-    """`total` items in `parts` contiguous parts whose sizes differ by at most one (no empty part)."""
-    parts = max(1, min(parts, total))
-    base, extra = divmod(total, parts)
-    return tuple(base + (i < extra) for i in range(parts))
 
 
 class RolloutService:
@@ -83,6 +76,23 @@ class RolloutService:
         if self.worker is not None:
             self.worker.close()
         self.client.close()
+
+    def turn_batcher(self, weights: WeightsRef):
+        """A TurnBatcher on this service's spool, for episodes' turns (trainer_svc.envs.sampler)."""
+        from .turn_batcher import TurnBatcher
+
+        r = self.cfg.rollout
+        return TurnBatcher(
+            self.client,
+            weights_dir=weights.dir,
+            weights_content_id=weights.content_id,
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop=[],
+            tag=f"{_id_part(self.cfg.run_dir.name[:40])}-turn",
+            error_retries=r.error_retries,
+        )
 
     def _check_worker(self) -> None:
         if self.worker is not None:

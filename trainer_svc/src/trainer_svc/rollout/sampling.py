@@ -38,7 +38,7 @@ from ..data import Problem, PromptStream
 from ..distributed import Distributed
 from ..learning import grpo
 from ..learning.reward_functions import GroupScores, Rewards
-from ..rollout_types import Group, Ticket, WeightsRef
+from ..rollout_types import Group, Sample, Ticket, WeightsRef
 from .spares import SpareSizer
 
 __all__ = ["InFlight", "Sampler", "StepRollouts", "StepSampler", "summarize"]
@@ -148,7 +148,10 @@ class StepSampler:
 
     def _send(self, step: int, weights: WeightsRef, attempt: int, problems: list[Problem]) -> InFlight:
         seed = self.cfg.run.seed * 1_000_003 + step * 101 + attempt
-        ticket = self.sampler.submit(Ticket(tuple(p.prompt for p in problems), weights, step, attempt, seed))
+        call = Ticket(
+            tuple(p.prompt for p in problems), weights, step, attempt, seed, problem_ids=tuple(p.id for p in problems)
+        )
+        ticket = self.sampler.submit(call)
         return InFlight(ticket, problems)
 
     def _top_up(self, step: int, weights: WeightsRef) -> None:
@@ -280,14 +283,30 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _answer_length(sample: Sample) -> float:
+    """Answer tokens: the end-of-sequence token that closes a finished sample is not part of it.
+    An episode's: its assistant tokens per assistant turn (as comparable with rollout.max_tokens)."""
+    if sample.loss_mask is None:
+        return len(sample.token_ids) - (sample.finish_reason == "stop")
+    return sum(sample.loss_mask) / max(1, sample.turns)
+
+
+def _episode_figures(samples: list[Sample]) -> dict:
+    """Multi-turn episodes' assistant turns per episode, and how many ended for each reason."""
+    episodes = [s for s in samples if s.ended]
+    if not episodes:
+        return {}
+    ends = {why: sum(s.ended == why for s in episodes) for why in sorted({s.ended for s in episodes})}
+    return {"episode_turns": _mean([s.turns for s in episodes]), **{f"episode_ends/{k}": v for k, v in ends.items()}}
+
+
 def summarize(r: StepRollouts) -> dict:
     """A step's metrics row (rewards, accuracy, lengths, dead groups, staleness, timings).
     `accuracy` and `format_rate` are over the trained batch's samples whose row has a gold, and
     left out where none has; `reward/<name>` is each reward function's mean over the first sampling."""
     correct = [c for s in r.scores if s.correct is not None for c in s.correct]
     well_formed = [f for s in r.scores if s.format_ok is not None for f in s.format_ok]
-    # Answer tokens: the end-of-sequence token that closes a finished sample is not part of it.
-    lengths = [len(s.token_ids) - (s.finish_reason == "stop") for g in r.groups for s in g.samples]
+    lengths = [_answer_length(s) for g in r.groups for s in g.samples]
     return {
         # reward_mean is the run's reward figure (tripwire, progress, summary, plot): the policy's
         # own estimate, the first sampling's, not the trained batch's (dead groups replaced).
@@ -298,7 +317,11 @@ def summarize(r: StepRollouts) -> dict:
         **({"accuracy": _mean(correct), "format_rate": _mean(well_formed)} if correct else {}),
         **{f"reward/{name}": value for name, value in r.reward_terms.items()},
         "response_length": sum(lengths) / len(lengths),
-        "generated_tokens": sum(len(s.token_ids) for g in r.groups for s in g.samples),
+        # The engine's tokens: an episode's environment tokens were not generated.
+        "generated_tokens": sum(
+            len(s.token_ids) if s.loss_mask is None else sum(s.loss_mask) for g in r.groups for s in g.samples
+        ),
+        **_episode_figures([s for g in r.groups for s in g.samples]),
         "dead_groups": r.dead_initial,
         "dead_groups_after_retry": r.dead_final,
         "retries": r.retries,

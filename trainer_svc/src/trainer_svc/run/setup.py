@@ -192,6 +192,13 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sampler.close()  # nothing left to sample
         sampler = None
     weights = sync.resume(policy.model, state.step, state.rollout_weights, latest.path if latest else None)
+    scorer = rewards
+    if cfg.env is not None:  # episodes of the environment, scored by it
+        from ..envs.sampler import EpisodeRewards, EpisodeSampler
+
+        scorer = EpisodeRewards()
+        if sampler is not None:
+            sampler = EpisodeSampler(cfg, sampler, train_problems + held_out, tokenizer)
     return Run(
         cfg=cfg,
         stage=stage,
@@ -205,7 +212,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         latest=latest,
         weights=weights,
         sync=sync,
-        sample=StepSampler(sampler, stream, rewards, cfg, dist_info, state.in_flight, state.spares),
+        sample=StepSampler(sampler, stream, scorer, cfg, dist_info, state.in_flight, state.spares),
         canary=Canary(cfg, held_out, verifier, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row, Tracking.open(cfg, state.step, banner))
         if dist_info.is_main

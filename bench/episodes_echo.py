@@ -1,0 +1,204 @@
+"""Many concurrent multi-turn episodes through the spool, their turns batched by TurnBatcher.
+
+    .venvs/trainer/bin/python bench/episodes_echo.py [--episodes 1000] [--workers 4] [--tiny] [--json OUT]
+
+`--episodes` synthetic episodes run at once against `--workers` real `rollout-svc serve --engine
+echo` processes. Each episode takes `--turns` turns: its first prompt is a few token ids; after
+each turn it thinks a random 0..`--think-ms` ms, then sends its whole history (the prompt, the
+engine's completion, a few ids of a new environment turn) as its next turn, preferring the worker
+that served the previous one. All turns go through one TurnBatcher, twice, on fresh spools with
+fresh workers: batching on (`--max-prompts` prompts a request, `--max-wait-s`) and batching off
+(max_prompts_per_request = 1: one request per turn, as without a batcher).
+
+Per run: spool requests per second (request files published / wall time), request files per
+turn, turns per second, p50 and p99 turn latency (put to outcome in hand), the share of later
+turns served by the worker of the episode's previous turn (sticky), and resends. Every episode
+must finish with every turn's completion the echo of its prompt, or the run fails.
+
+`--tiny`: 40 episodes of 3 turns on 2 workers, for the test that runs this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from protocol.client import SpoolClient
+from protocol.spool import Spool
+from trainer_svc.rollout.turn_batcher import Turn, TurnBatcher
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLLOUT_SVC = ROOT / ".venvs" / "rollout" / "bin" / "rollout-svc"
+MAX_TOKENS = 16  # the echo's completion: the first 16 ids of the prompt
+ENV_IDS = 6  # ids of each environment turn appended after a completion
+
+
+class EchoWorkers:
+    """`count` echo workers on one spool, each in its own session; always stopped on exit."""
+
+    def __init__(self, spool: Spool, count: int, log_dir: Path, rollout_svc: Path):
+        self.spool, self.count, self.log_dir, self.rollout_svc = spool, count, log_dir, rollout_svc
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> EchoWorkers:
+        ids = [f"echo-{i}" for i in range(self.count)]
+        for worker_id in ids:
+            with open(self.log_dir / f"{worker_id}.log", "ab") as log:
+                self.procs.append(subprocess.Popen(
+                    [str(self.rollout_svc), "serve", "--spool", str(self.spool.root), "--engine", "echo",
+                     "--worker-id", worker_id, "--idle-exit", "0", "--log-level", "WARNING"],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                ))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while len(self.spool.live_workers()) < self.count:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.__exit__()
+                raise SystemExit(f"echo workers did not start; see {self.log_dir}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def run_episodes(batcher: TurnBatcher, episodes: int, turns: int, think_s: float, seed: int) -> dict:
+    """Drive `episodes` episodes of `turns` turns to their end; returns the figures."""
+    rng = random.Random(seed)
+    history = {e: [rng.randrange(32, 127) for _ in range(8)] for e in range(episodes)}
+    done_turns = dict.fromkeys(range(episodes), 0)
+    served_by: dict[int, str] = {}
+    ready: list[tuple[float, int]] = []  # (when, episode): turns whose think time runs
+    put_at: dict[str, float] = {}
+    latencies, sticky, later = [], 0, 0
+
+    def put(episode: int) -> None:
+        key = f"ep{episode}.t{done_turns[episode]}"
+        put_at[key] = time.monotonic()
+        seed_of_turn = episode * 1000 + done_turns[episode]
+        batcher.put(Turn(key, list(history[episode]), seed_of_turn, served_by.get(episode)))
+
+    started = time.monotonic()
+    for episode in range(episodes):
+        put(episode)
+    while batcher.pending() or ready:
+        now = time.monotonic()
+        for when, episode in [r for r in ready if r[0] <= now]:
+            ready.remove((when, episode))
+            put(episode)
+        wait = min([w for w, _ in ready], default=now + 0.05) - now
+        for outcome in batcher.poll(max(0.0, min(wait, 0.05))):
+            arrived = time.monotonic()
+            latencies.append(arrived - put_at.pop(outcome.key))
+            episode = int(outcome.key[2:].split(".")[0])
+            if outcome.token_ids != history[episode][:MAX_TOKENS]:
+                raise SystemExit(f"turn {outcome.key} came back with another prompt's completion")
+            if episode in served_by:
+                later += 1
+                sticky += outcome.worker_id == served_by[episode]
+            served_by[episode] = outcome.worker_id
+            done_turns[episode] += 1
+            if done_turns[episode] < turns:
+                history[episode] += outcome.token_ids + [rng.randrange(32, 127) for _ in range(ENV_IDS)]
+                ready.append((arrived + rng.uniform(0.0, think_s), episode))
+    elapsed = time.monotonic() - started
+    total = sum(done_turns.values())
+    assert total == episodes * turns, (total, episodes * turns)
+    return {
+        "turns": total,
+        "wall_s": round(elapsed, 3),
+        "requests": batcher.requests_sent,
+        "requests_per_s": round(batcher.requests_sent / elapsed, 1),
+        "files_per_turn": round(batcher.requests_sent / total, 4),
+        "turns_per_s": round(total / elapsed, 1),
+        "p50_turn_ms": round(1000 * percentile(latencies, 50), 1),
+        "p99_turn_ms": round(1000 * percentile(latencies, 99), 1),
+        "sticky": round(sticky / later, 4) if later else None,
+        "resent": batcher.resent,
+    }
+
+
+def one_run(base: Path, name: str, args, max_prompts: int) -> dict:
+    spool = Spool(base / name, create=True)
+    log_dir = base / f"{name}-logs"
+    log_dir.mkdir()
+    with EchoWorkers(spool, args.workers, log_dir, args.rollout_svc), SpoolClient(spool.root) as client:
+        batcher = TurnBatcher(
+            client, weights_dir="/models/none", weights_content_id=None, max_tokens=MAX_TOKENS, temperature=1.0,
+            top_p=1.0, stop=[], max_wait_s=args.max_wait_s, max_prompts_per_request=max_prompts, tag=name,
+        )  # fmt: skip
+        try:
+            figures = run_episodes(batcher, args.episodes, args.turns, args.think_ms / 1000, args.seed)
+        finally:
+            batcher.close()
+    return {"batching": name, "max_prompts_per_request": max_prompts, **figures}
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": sys.version.split()[0], "loadavg": os.getloadavg()[0]}
+
+
+def table(rows: list[dict]) -> str:
+    columns = ["batching", "max_prompts_per_request", "turns", "requests", "requests_per_s", "files_per_turn",
+               "turns_per_s", "p50_turn_ms", "p99_turn_ms", "sticky", "resent"]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=1000, help="episodes in flight at once (default 1000)")
+    parser.add_argument("--turns", type=int, default=4, help="turns per episode (default 4)")
+    parser.add_argument("--workers", type=int, default=4, help="echo workers (default 4)")
+    parser.add_argument("--think-ms", type=float, default=5.0, help="most think time between turns (default 5)")
+    parser.add_argument("--max-wait-s", type=float, default=0.05, help="TurnBatcher's max_wait_s (default 0.05)")
+    parser.add_argument("--max-prompts", type=int, default=256, help="prompts per request, batching on (default 256)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="40 episodes of 3 turns on 2 workers")
+    parser.add_argument("--spool-dir", type=Path, default=None, help="where the spools go (default: a temp dir)")
+    parser.add_argument("--rollout-svc", type=Path, default=ROLLOUT_SVC, help="the rollout-svc command")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args()
+    if args.tiny:
+        args.episodes, args.turns, args.workers = 40, 3, 2
+    with tempfile.TemporaryDirectory(dir=args.spool_dir) as tmp:
+        base = Path(tmp)
+        rows = [one_run(base, "on", args, args.max_prompts), one_run(base, "off", args, 1)]
+    command = " ".join(["bench/episodes_echo.py", *sys.argv[1:]])
+    settings = {"episodes": args.episodes, "turns": args.turns, "workers": args.workers, "think_ms": args.think_ms}
+    report = {"command": command, "machine": machine(), **settings, "max_wait_s": args.max_wait_s, "rows": rows}
+    print(table(rows))
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"}))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

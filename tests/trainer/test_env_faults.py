@@ -1,0 +1,82 @@
+"""An environment's fault stops the run with EnvError (exit 2) naming the environment, the
+episode and the turn: a raise, a hang past env.timeout_s (its process killed: never a hang of the
+trainer), a wrong return type, a crash of its process, an allocation past env.memory_mb; so do a
+class that cannot be imported (at launch) and first messages that differ within a row's group."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import make_config
+from env_modules import user_envs  # noqa: F401 (a fixture)
+from local_turns import ScriptedTurns, Service
+
+from trainer_svc.data import arithmetic_problems
+from trainer_svc.envs.errors import EnvError
+from trainer_svc.envs.sampler import EpisodeSampler
+from trainer_svc.rollout_types import Ticket, WeightsRef
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("user_envs")]
+
+PROBLEMS = arithmetic_problems(0, 9)[:2]
+EPISODE = r"episode train-s00000000-a0-\w+\.p\dg\d"
+
+
+def episodes(tiny_model, tmp_path, name: str, **env):
+    from transformers import AutoTokenizer
+
+    cfg = make_config(
+        tmp_path / "run", tiny_model, rollout={"samples_per_prompt": 2}, env={"class": name, "max_turns": 3, **env}
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    sampler = EpisodeSampler(cfg, Service(ScriptedTurns(tokenizer, ["7"] * 3)), PROBLEMS, tokenizer)
+    try:
+        call = Ticket(
+            tuple(p.prompt for p in PROBLEMS),
+            WeightsRef(str(tiny_model)),
+            0,
+            0,
+            1,
+            problem_ids=tuple(p.id for p in PROBLEMS),
+        )
+        return sampler.collect(sampler.submit(call))
+    finally:
+        sampler.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "env", "turn", "why"),
+    [
+        ("Raises", {}, 2, r"step\(\)\) raised ValueError: cannot read '7' \(.*user_envs\.py:\d+\)"),
+        (
+            "Hangs",
+            {"timeout_s": 1.0},
+            2,
+            r"step\(\)\) did not return within env\.timeout_s = 1 s; its process was killed",
+        ),
+        ("WrongType", {}, 1, r"step\(\)\) returned a dict: step\(\) returns a trainer_svc\.envs\.Step"),
+        ("Crashes", {}, 1, r"step\(\)\): its process died during the call"),
+        ("Greedy", {"memory_mb": 400}, 1, r"step\(\)\) raised MemoryError"),
+    ],
+)
+def test_a_fault_of_the_environment_stops_the_run_naming_it_the_episode_and_the_turn(
+    tiny_model, tmp_path, name, env, turn, why
+):
+    with pytest.raises(EnvError) as stopped:
+        episodes(tiny_model, tmp_path, f"user_envs:{name}", **env)
+    message = str(stopped.value)
+    assert re.match(rf"environment user_envs:{name} \({EPISODE}, turn {turn}, {why}", message), message
+    assert stopped.value.exit_code == 2
+
+
+def test_a_class_that_cannot_be_imported_stops_the_launch(tiny_model, tmp_path):
+    with pytest.raises(EnvError, match=r"environment user_envs:Nope: module 'user_envs' has no class 'Nope'"):
+        episodes(tiny_model, tmp_path, "user_envs:Nope")
+    with pytest.raises(EnvError, match=r"importing module 'no_such_envs' failed: ModuleNotFoundError.*PYTHONPATH"):
+        episodes(tiny_model, tmp_path, "no_such_envs:Chat")
+
+
+def test_first_messages_that_depend_on_the_seed_are_refused(tiny_model, tmp_path):
+    with pytest.raises(EnvError, match=r"the 2 episodes of row add-0-0 start with different first messages"):
+        episodes(tiny_model, tmp_path, "user_envs:Seeded")
