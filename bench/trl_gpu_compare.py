@@ -24,7 +24,9 @@ trains on a GPU), the same training rows (trainer_svc.data's split for run.seed:
 held-out rows), chat rows rendered by the model's chat template, reward = correctness by
 protocol.answers (the config's reward: `correct` weighted 1, the format penalty weighted 0, the
 overlong penalty off), rollout.prompts_per_step x samples_per_prompt completions per optimizer step
-(one micro-batch, one update per batch), max_tokens, temperature, top_p, lr with the config's
+(one update per batch, in --trl-micro-batches micro-batches of equal size, by default
+train.grad_accum: TRL's per_device_train_batch_size and gradient_accumulation_steps, one generation
+of the step's samples per optimizer step), max_tokens, temperature, top_p, lr with the config's
 linear warm-up and then constant, Adam betas, weight decay, max_grad_norm, clip_low / clip_high,
 token-mean loss over the batch (TRL's "dapo"), rewards scaled by the group's std, no KL, and
 truncated importance sampling against vLLM's logprobs per token capped at loss.correction_cap
@@ -214,6 +216,7 @@ def run_ours(raw: dict, work: Path, args) -> dict:
             "train_s": r["train_s"],
             "publish_s": r["publish_s"],
             "retries": r["retries"],
+            "micro_batches": r.get("micro_batches"),
         }
         for r in found["rows"]["steps"]
     ]
@@ -273,8 +276,12 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         scoring.keys() == {"correct", "overlong"} and not reward.get("overlong_buffer")
     ):
         raise SystemExit(f"TRL's side scores correctness alone; the config's reward is {scoring}")
-    if loss.get("kl_coef", 0) or train_cfg.get("updates_per_batch", 1) != 1 or train_cfg.get("grad_accum", 1) != 1:
-        raise SystemExit("TRL's side mirrors kl_coef 0, one update per batch, one micro-batch")
+    if loss.get("kl_coef", 0) or train_cfg.get("updates_per_batch", 1) != 1:
+        raise SystemExit("TRL's side mirrors kl_coef 0 and one update per batch")
+    batch = rollout["prompts_per_step"] * rollout["samples_per_prompt"]
+    micro_batches = args.trl_micro_batches or train_cfg.get("grad_accum", 1)
+    if batch % micro_batches:
+        raise SystemExit(f"--trl-micro-batches {micro_batches} does not divide the step's {batch} samples")
     if train_cfg.get("schedule", "constant") != "constant" or loss.get("denominator", "token") != "token":
         raise SystemExit("TRL's side mirrors a constant schedule after the warm-up and the token-mean loss")
     return {
@@ -289,6 +296,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "eval_every": args.eval_every,
         "prompts_per_step": rollout["prompts_per_step"],
         "samples_per_prompt": rollout["samples_per_prompt"],
+        "micro_batches": micro_batches,
         "max_tokens": rollout["max_tokens"],
         "temperature": rollout.get("temperature", 1.0),
         "top_p": rollout.get("top_p", 1.0),
@@ -408,8 +416,11 @@ def trl_worker(spec: dict) -> None:
         model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32},
         gradient_checkpointing=False,
         max_steps=spec["steps"],
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        # The step's samples in `micro_batches` forward and backward passes, one optimizer step, one
+        # generation of all of them per optimizer step (TRL's steps_per_generation).
+        per_device_train_batch_size=batch // spec["micro_batches"],
+        gradient_accumulation_steps=spec["micro_batches"],
+        steps_per_generation=spec["micro_batches"],
         num_generations=spec["samples_per_prompt"],
         max_completion_length=spec["max_tokens"],
         temperature=spec["temperature"],
@@ -523,6 +534,11 @@ def summary(found: dict, skip: int) -> dict:
             figures["steps_with_a_retry"] = sum(s["retries"] > 0 for s in kept)
             for part in ("wait_s", "train_s", "publish_s"):
                 figures[f"median_{part}"] = round(statistics.median(s[part] for s in kept), 3)
+            if kept[0].get("micro_batches") is not None:
+                figures["median_micro_batches"] = statistics.median(s["micro_batches"] for s in kept)
+                figures["median_trained_tokens_per_train_s"] = round(
+                    statistics.median(s["completion_tokens"] / s["train_s"] for s in kept if s["train_s"])
+                )
         last = steps[-1]["step"]
         ranges = [(skip + 1, last // 3), (last // 3 + 1, 2 * last // 3), (2 * last // 3 + 1, last)]
         figures["median_step_s_by_range"] = {
@@ -595,6 +611,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds the launch may take")
     parser.add_argument("--work", type=Path, help="directory for the run (default: a fresh one under /tmp)")
     parser.add_argument("--trl-python", help="the interpreter with TRL (default: see trl_python)")
+    parser.add_argument("--trl-micro-batches", type=int, help="TRL's micro-batches a step (default: train.grad_accum)")
     parser.add_argument("--json")
     parser.add_argument("--plot", nargs="+", metavar="JSON", help="draw these sides' accuracy against time")
     parser.add_argument("--png", default=str(ROOT / "docs" / "smollm2_gpu_vs_trl.png"))

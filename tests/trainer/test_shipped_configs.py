@@ -22,10 +22,22 @@ def test_a_shipped_config_loads_and_its_rows_read(name, monkeypatch):
     assert len(held_out) == cfg.data.held_out and len(train) > cfg.rollout.prompts_per_step
 
 
-def test_the_sums_rows_are_the_generators(tmp_path):
+@pytest.mark.parametrize("task", ["two_digit_sums", "three_number_sums"])
+def test_the_sums_rows_are_the_generators(task, tmp_path):
     out = tmp_path / "sums.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "two_digit_sums.py"), str(out)], check=True)
-    assert out.read_bytes() == (ROOT / "configs" / "data" / "two_digit_sums.jsonl").read_bytes()
+    subprocess.run([sys.executable, str(ROOT / "scripts" / f"{task}.py"), str(out)], check=True)
+    assert out.read_bytes() == (ROOT / "configs" / "data" / f"{task}.jsonl").read_bytes()
+
+
+def test_the_long_completion_config_leaves_the_micro_batch_budget_to_the_memory_gate(monkeypatch):
+    """The long config differs from the GPU one only where length asks (a step's 512 samples of up
+    to 512 tokens): no token budget or grad_accum of its own, so the memory gate sizes micro-batches."""
+    monkeypatch.chdir(ROOT)
+    long, short = load(ROOT / "configs" / "smollm2-gpu-long.toml"), load(ROOT / "configs" / "smollm2-gpu.toml")
+    assert long.rollout.max_tokens == 512 and long.train.max_tokens_per_micro_batch is None
+    assert long.train.grad_accum == short.train.grad_accum == 1
+    assert (long.rollout.temperature, long.train.lr, long.rollout.ahead) == (0.7, 2e-5, 1)
+    assert int(long.rollout.worker_args[1]) >= 512 + 128  # room for the prompt beside the answer
 
 
 def test_the_gpu_config_has_the_settings_the_readme_gives(monkeypatch):

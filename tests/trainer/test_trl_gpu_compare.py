@@ -21,7 +21,7 @@ CONFIG = ROOT / "configs" / "smollm2-gpu.toml"
 
 def arguments(**overrides) -> argparse.Namespace:
     values = {"config": str(CONFIG), "model": None, "prompts": None, "samples": None, "tokens": None,
-              "steps": 120, "eval_every": 10} | overrides  # fmt: skip
+              "steps": 120, "eval_every": 10, "trl_micro_batches": None} | overrides  # fmt: skip
     return argparse.Namespace(**values)
 
 
@@ -56,6 +56,17 @@ def test_trl_settings_are_the_configs(tmp_path):
     )
     assert (spec["steps"], spec["eval_every"]) == (7, 3)
     assert (spec["clip_low"], spec["clip_high"], spec["betas"], spec["max_grad_norm"]) == (0.2, 0.28, [0.9, 0.99], 1.0)
+
+
+def test_trl_splits_a_step_into_the_micro_batches_asked_and_refuses_a_split_that_does_not_divide(tmp_path):
+    raw = compare.load_settings(arguments())
+    assert compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 1
+    raw["train"]["grad_accum"] = 4
+    assert compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 4
+    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(trl_micro_batches=16))
+    assert spec["micro_batches"] == 16
+    with pytest.raises(SystemExit, match="does not divide"):
+        compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(trl_micro_batches=7))
 
 
 def test_a_reward_trl_cannot_mirror_is_refused(tmp_path):
