@@ -3,7 +3,7 @@ at a real model's shape and batch, side by side in one run.
 
     python bench/generation_gap_gpu.py --model DIR [--prompts 80 --samples 8 --tokens 24]
                                        [--temperature 0.7] [--steps 5] [--setups dedicated,colocated]
-                                       [--root /dev/shm] [--json OUT]
+                                       [--root /dev/shm] [--random-weights] [--json OUT]
 
 DIR is an HF directory in bfloat16 (SmolLM2-135M-Instruct in docs/BENCHMARKS.md). Before anything
 is timed, the weights of each step are published as a trainer publishes them (trainer_svc.weights.publish
@@ -85,6 +85,19 @@ def chat_prompts(model: Path, count: int) -> list[str]:
         else:
             prompts.append(question + "\n")
     return prompts
+
+
+def random_weights(model: Path, out: Path) -> Path:
+    """`model`'s config and tokenizer with random bf16 weights in `out`: such a model almost never
+    samples its end-of-turn token, so every completion runs to max_tokens (generation at a length,
+    not at the length a trained model's answers happen to have)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(SEED)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    return out
 
 
 def publish_steps(model: Path, publish_dir: Path, steps: int) -> list[Path]:
@@ -342,6 +355,11 @@ def main() -> None:
     parser.add_argument("--setups", default="dedicated,colocated", help=f"comma-separated, of {', '.join(SETUPS)}")
     parser.add_argument("--root", default="/dev/shm", help="where the published weights and the spool go")
     parser.add_argument("--json", help="also write the JSON line here")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the model's shape and tokenizer with random weights: every completion runs to --tokens",
+    )
     parser.add_argument("--direct-child", help=argparse.SUPPRESS)  # internal: run (a) in its own process
     parser.add_argument("--sleep-level", type=int, default=0, help=argparse.SUPPRESS)  # internal, with the above
     args = parser.parse_args()
@@ -355,6 +373,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-gap-", dir=args.root))
     figures = {}
     try:
+        if args.random_weights:
+            args.model = random_weights(args.model, root / "random-model")
         say(f"publishing {args.steps + 1} steps of {args.model} into {root}")
         prompts = chat_prompts(args.model, args.prompts)
         dirs = publish_steps(args.model, root / "published", args.steps)
@@ -374,7 +394,7 @@ def main() -> None:
         "benchmark": "generation_gap_gpu",
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"gpu": gpu_name(), "cores": os.cpu_count(), "vllm": vllm.__version__},
-        "model": str(args.model),
+        "model": str(args.model) + (" (random weights)" if args.random_weights else ""),
         "batch": f"{args.prompts} prompts x {args.samples} samples x <= {args.tokens} tokens, "
         f"temperature {args.temperature}",
         "target_ratio": TARGET_RATIO,
