@@ -13,7 +13,7 @@ from trainer_svc.distributed import Distributed
 from trainer_svc.learning.model import load_policy
 from trainer_svc.learning.train_step import Policy, make_optimizer, make_scheduler
 from trainer_svc.rails.gates import GateRefused
-from trainer_svc.rails.memory_gate import SHARE, check_memory, longest_sequence
+from trainer_svc.rails.memory_gate import AUTO_MAX_TOKENS, SHARE, check_memory, longest_sequence
 
 CPU = Distributed(rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -48,7 +48,7 @@ def test_the_budget_is_set_from_the_measured_cost_of_a_token(policy, warm_model,
     import os
 
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # a CPU's measure is against RAM
-    per_token, fixed = available / 10_000, 2**20
+    per_token, fixed = available / 10_000, 2**20  # room for fewer tokens than AUTO_MAX_TOKENS
     cfg = make_config(tmp_path / "run", warm_model, rollout={"max_tokens": 100})
     tokenizer = AutoTokenizer.from_pretrained(warm_model)
     longest = longest_sequence(cfg, tokenizer, ["1+1="])[1]
@@ -95,3 +95,18 @@ def test_when_two_longest_sequences_do_not_fit_a_micro_batch_holds_one(policy, w
 
     figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=one_fits)
     assert figures["max_tokens_per_micro_batch"] == figures["longest_sequence"] == cfg.train.max_tokens_per_micro_batch
+
+
+def test_an_automatic_budget_stops_where_a_bigger_micro_batch_runs_no_faster(policy, warm_model, tmp_path):
+    """Memory for a million tokens a micro-batch, and the budget is AUTO_MAX_TOKENS; a longest
+    sequence above that cap still gets a micro-batch of its own."""
+    import os
+
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    tokenizer = AutoTokenizer.from_pretrained(warm_model)
+    for max_tokens, expected in ((100, AUTO_MAX_TOKENS), (AUTO_MAX_TOKENS + 500, None)):
+        cfg = make_config(tmp_path / f"run-{max_tokens}", warm_model, rollout={"max_tokens": max_tokens})
+        longest = longest_sequence(cfg, tokenizer, ["1+1="])[1]
+        per_token = available / 10**7
+        figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=lambda n: per_token * longest * n)
+        assert figures["max_tokens_per_micro_batch"] == (expected or longest)

@@ -15,7 +15,8 @@ are counted in: two per trainable parameter, in float32.
     is refused (exit 3) with the figures and what to change;
   - train.max_tokens_per_micro_batch left out: it is set from the same figures, so that a
     micro-batch's peak stays within SHARE of the memory left once the fixed costs are paid (one
-    longest sequence when two of them do not fit);
+    longest sequence when two of them do not fit), and at most AUTO_MAX_TOKENS (more runs no
+    faster);
   - on a CPU nothing is probed (host memory is the system's to manage) and the budget is the
     config's.
 
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 GIB = 2**30
 SHARE = 0.85  # of the memory left after the fixed costs, what micro-batches may take at their peak
+# The most padded tokens an automatic budget gives a micro-batch. Past about this many a micro-batch
+# runs no faster a token (the GPU's matmuls are already full: 16 sequences of 1,024 tokens at the
+# 1.5B shape, docs/BENCHMARKS.md), so memory beyond it only raises the trainer's peak: on one H200
+# at 512 tokens the uncapped budget took 3 micro-batches and a device peak of 101.8 GiB.
+AUTO_MAX_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,8 @@ def check_memory(
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is None:
         spare = costs.available - costs.optimizer - costs.fixed
-        budget = max(int(SHARE * spare / max(costs.per_token, 1.0)), longest) if two is not None else longest
+        fits = int(SHARE * spare / max(costs.per_token, 1.0))
+        budget = max(min(fits, AUTO_MAX_TOKENS), longest) if two is not None else longest
         if dist_info.world_size > 1:
             agreed = torch.tensor([budget], device=device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -131,6 +138,10 @@ def _costs(
         available = free + torch.cuda.memory_reserved(device) - allocated
         if colocated_share is not None:  # the worker beside it may not have taken its share yet
             available = min(available, int(colocated_share * total) - allocated)
+        # A process limited to a fraction of the device (torch.cuda.set_per_process_memory_fraction)
+        # may hold cached blocks a probe reused, and still not allocate past its fraction.
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
+        available = min(available, int(fraction * total) - allocated)
     else:  # a test's measure on a CPU: all of the host's memory
         import os
 
