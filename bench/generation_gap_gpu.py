@@ -152,7 +152,8 @@ def direct_child(args) -> None:
     from vllm import SamplingParams
 
     from protocol.messages import Request
-    from rollout_svc.engines.vllm_host import EngineSpec, LiveEngine, sampling_params
+    from rollout_svc.engines.vllm_host import EngineSpec, LiveEngine
+    from rollout_svc.engines.vllm_requests import sampling_params
     from rollout_svc.weights import WeightsPolicy
 
     spec = json.loads(Path(args.direct_child).read_text())

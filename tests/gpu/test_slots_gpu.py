@@ -94,7 +94,7 @@ def test_an_engine_on_the_gpu_loads_a_slot_as_it_loads_the_directory(models, tmp
     from safetensors.torch import load_file
 
     from rollout_svc.engines.vllm import VllmEngine
-    from rollout_svc.engines.vllm_host import probe_blocks
+    from rollout_svc.engines.weight_check import probe_blocks
     from rollout_svc.weights import WeightsPolicy
 
     weights = {k: v.cuda() for k, v in load_file(models["b"] / "model.safetensors").items()}

@@ -107,6 +107,6 @@ def test_an_automatic_budget_stops_where_a_bigger_micro_batch_runs_no_faster(pol
     for max_tokens, expected in ((100, AUTO_MAX_TOKENS), (AUTO_MAX_TOKENS + 500, None)):
         cfg = make_config(tmp_path / f"run-{max_tokens}", warm_model, rollout={"max_tokens": max_tokens})
         longest = longest_sequence(cfg, tokenizer, ["1+1="])[1]
-        per_token = available / 10**7
-        figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=lambda n: per_token * longest * n)
+        line = lambda n, longest=longest: available / 10**7 * longest * n  # noqa: E731
+        figures = check_memory(cfg, CPU, policy, tokenizer, ["1+1="], measure=line)
         assert figures["max_tokens_per_micro_batch"] == (expected or longest)

@@ -345,7 +345,7 @@ def test_the_engine_process_logs_at_the_worker_level(engine, models):
 def test_the_reload_check_sums_row_blocks_spread_over_each_tensor(shape):
     """From the first rows to the last, never past the tensor, a bounded count of values; small
     tensors are summed whole."""
-    from rollout_svc.engines.vllm_host import PROBE_BLOCK_ELEMENTS, PROBE_BLOCKS, probe_blocks
+    from rollout_svc.engines.weight_check import PROBE_BLOCK_ELEMENTS, PROBE_BLOCKS, probe_blocks
 
     rows, per_row = shape[0], (shape[1] if len(shape) > 1 else 1)
     blocks = probe_blocks(shape)
@@ -387,7 +387,7 @@ def test_a_tokenizer_identical_to_the_live_one_is_not_loaded_again(engine, model
 
 
 def test_each_prompt_of_a_seeded_request_has_a_seed_of_its_own():
-    from rollout_svc.engines.vllm_host import prompt_seed
+    from rollout_svc.engines.vllm_requests import prompt_seed
 
     seeds = [prompt_seed(base, i) for base in (0, 1, 2, 7) for i in range(16)]
     assert seeds == [prompt_seed(base, i) for base in (0, 1, 2, 7) for i in range(16)]  # reproducible
@@ -398,7 +398,7 @@ def test_each_prompt_of_a_seeded_request_has_a_seed_of_its_own():
 
 
 def test_a_prompt_given_its_own_seed_samples_by_it_whatever_its_position(make_request):
-    from rollout_svc.engines.vllm_host import own_prompt_seed, prompt_seed, sampling_params
+    from rollout_svc.engines.vllm_requests import own_prompt_seed, prompt_seed, sampling_params
 
     alone = make_request(prompts=["x"], prompt_seeds=[41], seed=3)
     third = make_request(prompts=["a", "b", "x"], prompt_seeds=[7, 40, 41], seed=9)
@@ -463,7 +463,8 @@ def test_a_reload_and_its_check_are_one_call_into_the_engine_and_stale_sums_are_
     files' leave the engine holding no verified weights."""
     from safetensors import safe_open
 
-    from rollout_svc.engines.vllm_host import LiveEngine, StaleWeights
+    from rollout_svc.engines.vllm_host import LiveEngine
+    from rollout_svc.engines.weight_check import StaleWeights
 
     weights = WeightsPolicy([str(models["root"])]).inspect(str(models["b"]))
     shapes = {}
@@ -502,7 +503,7 @@ def test_vllm_detokenizes_per_token_only_for_stop_strings(make_request):
     """Texts are decoded once per sample at the end; with vLLM's per-token detokenizing (of the
     text and of each logprob's token) and a dict per position the engine call took 1.05 s on an
     H200 instead of 0.73-0.81 s. Stop strings are matched on text, so a request with them keeps it."""
-    from rollout_svc.engines.vllm_host import sampling_params
+    from rollout_svc.engines.vllm_requests import sampling_params
 
     plain = sampling_params(make_request(seed=5), 1)
     stopping = sampling_params(make_request(stop=["\n"]), 0)

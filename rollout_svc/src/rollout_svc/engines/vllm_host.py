@@ -31,7 +31,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -40,22 +39,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from protocol.messages import ErrorCode, Request
+from protocol.messages import Request
 from protocol.weight_slots import encode_slot_manifest
 
 from ..adapters import AdapterRef
-from ..errors import RequestFailed
 from ..weights import Weights
 from .base import Completion
 from .host import SHUTDOWN, serve
+from .vllm_requests import check_prompts, checked_sampling_params, prompt_ids, to_completion
+from .weight_check import compare, file_sums, plan
 
 log = logging.getLogger("rollout_svc.engines.vllm_host")
 
 EXTENSION = "rollout_svc.engines.vllm_extension.WeightProbe"
-PROBED_TENSORS = 6  # largest comparable tensors checked after each weight change
-PROBE_BLOCKS = 4  # row blocks of each, spread from its first rows to its last
-PROBE_BLOCK_ELEMENTS = 1 << 18  # so a check reads ~6 M values, not the weights (a 1.5B model's embedding: 233 M)
-PROBE_RTOL = 1e-5
 
 
 @dataclass(frozen=True)
@@ -77,10 +73,6 @@ class EngineSpec:
     max_cpu_loras: int = 4
     # vLLM's torch.compile of the model (GPU): off, decode steps still run as whole-step CUDA graphs
     compile: bool = True
-
-
-class StaleWeights(RuntimeError):
-    """The engine's tensors differ from the files after a weight change."""
 
 
 def configure_environment(device: str, dtype: str, kv_cache_gib: float) -> None:
@@ -203,16 +195,16 @@ class LiveEngine:
         prompts, params, spans = [], [], []
         for request in requests:
             ids_per_prompt = prompt_ids(request, tokenizer)
-            _check_prompts(request, ids_per_prompt, max_len, vocab)
+            check_prompts(request, ids_per_prompt, max_len, vocab)
             spans.append((len(prompts), len(ids_per_prompt)))
             prompts += [{"prompt_token_ids": ids} for ids in ids_per_prompt]
-            params += [_checked_sampling_params(request, i) for i in range(len(ids_per_prompt))]
+            params += [checked_sampling_params(request, i) for i in range(len(ids_per_prompt))]
         called = time.monotonic()
         lora = lora_request(adapter) if adapter is not None else None
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         answered = time.monotonic()
         completions = [
-            _completion(outputs[start : start + count], tokenizer, detokenized=bool(request.stop))
+            to_completion(outputs[start : start + count], tokenizer, detokenized=bool(request.stop))
             for request, (start, count) in zip(requests, spans, strict=True)
         ]
         log.info(
@@ -275,10 +267,8 @@ class LiveEngine:
         return self.llm.collective_rpc("load_files", args=(paths, post_process, blocks))[0]
 
     def _verify(self, weights: Weights) -> None:
-        """Compare the engine's largest comparable tensors with the files', on row blocks spread
-        over each tensor. A reload that failed or was skipped leaves whole tensors stale, which
-        any block shows; summing blocks instead of whole tensors keeps the check in milliseconds
-        at billions of parameters (whole tensors cost 0.5 s at 1.5B)."""
+        """Compare the engine's largest comparable tensors with the files' (weight_check), for
+        weights already in the engine."""
         self.weights = None
         source, blocks = self._probe_plan(weights)
         try:
@@ -289,81 +279,16 @@ class LiveEngine:
         self._compare(weights, expected, actual)
 
     def _probe_plan(self, weights: Weights):
-        """The source of `weights`' tensors, and the row blocks of its largest tensors that the
-        engine also holds (shapes are the engine's, asked once at its build)."""
         if self.engine_shapes is None:
             self.engine_shapes = self.llm.collective_rpc("parameter_sizes")[0]
-        source = SlotSource(weights) if weights.slot is not None else ShardSource(weights)
-        candidates = [(math.prod(shape), name, shape) for name, shape in source.shapes() if name in self.engine_shapes]
-        blocks = {name: probe_blocks(shape) for _, name, shape in sorted(candidates, reverse=True)[:PROBED_TENSORS]}
-        return source, blocks
+        return plan(weights, self.engine_shapes)
 
     def _file_sums(self, source, blocks: dict) -> dict[str, float]:
-        dtype = _torch_dtype(self.llm.llm_engine.model_config.dtype)
-        return {
-            name: sum(float(source.rows(name, a, b).to(dtype).double().sum()) for a, b in name_blocks)
-            for name, name_blocks in blocks.items()
-        }
+        return file_sums(source, blocks, self.llm.llm_engine.model_config.dtype)
 
     def _compare(self, weights: Weights, expected: dict[str, float], actual: dict[str, float]) -> None:
-        if not expected:
-            log.warning("no tensor of %s can be compared with the engine's; weights not verified", weights.path)
-        for name, want in expected.items():
-            got = actual.get(name)
-            if got is None or not math.isclose(got, want, rel_tol=PROBE_RTOL, abs_tol=PROBE_RTOL):
-                raise StaleWeights(f"{name}: engine sum {got}, file sum {want}")
+        compare(weights, expected, actual)
         self.weights = weights
-
-
-class ShardSource:
-    """A weights directory's tensors, for _verify: names and shapes, and row blocks read on demand."""
-
-    def __init__(self, weights: Weights):
-        self.weights = weights
-        self.shard_of: dict[str, str] = {}
-
-    def shapes(self):
-        from safetensors import safe_open
-
-        for shard in self.weights.shards:
-            with safe_open(os.path.join(self.weights.real_path, shard), framework="pt") as f:
-                for name in f.keys():
-                    self.shard_of[name] = shard
-                    yield name, f.get_slice(name).get_shape()
-
-    def rows(self, name: str, start: int, stop: int):
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(self.weights.real_path, self.shard_of[name]), framework="pt") as f:
-            return f.get_slice(name)[start:stop]
-
-    def close(self) -> None:
-        pass
-
-
-class SlotSource:
-    """A weight slot's tensors, for _verify: its manifest's names and shapes, row blocks read from a
-    mapping of tensors.bin (the reader's lease is held around every load, so the bytes are those
-    loaded)."""
-
-    def __init__(self, weights: Weights):
-        from ..slot_load import MappedSlot
-
-        self.manifest = weights.slot
-        self.slot = MappedSlot(weights.real_path, pin=False)
-
-    def shapes(self):
-        return ((name, entry.shape) for name, entry in self.manifest.tensors.items())
-
-    def rows(self, name: str, start: int, stop: int):
-        import torch
-
-        entry = self.manifest.tensors[name]
-        tensor = self.slot.view[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype))
-        return tensor.view(entry.shape)[start:stop]
-
-    def close(self) -> None:
-        self.slot.close()
 
 
 def lora_request(adapter: AdapterRef):
@@ -416,89 +341,6 @@ def needs_post_processing(device: str, quantization: str | None) -> bool:
     return device == "cpu" or quantization is not None
 
 
-def probe_blocks(shape: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) row ranges of a tensor of `shape` that a check sums: PROBE_BLOCKS blocks of
-    up to PROBE_BLOCK_ELEMENTS values, the first at row 0 and the last ending at the last row."""
-    rows = shape[0] if shape else 1
-    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    take = max(1, min(rows, PROBE_BLOCK_ELEMENTS // max(per_row, 1)))
-    if take * PROBE_BLOCKS >= rows:
-        return [(0, rows)]
-    last = rows - take
-    starts = sorted({round(i * last / (PROBE_BLOCKS - 1)) for i in range(PROBE_BLOCKS)})
-    return [(start, start + take) for start in starts]
-
-
-def sampling_params(request: Request, index: int, **overrides):
-    """vLLM's SamplingParams for prompt `index` of `request` (`overrides`: for measuring others).
-
-    vLLM detokenizes only for stop strings, which it matches on text: otherwise the texts are
-    decoded once per sample at the end (`_completion`), and the sampling logprobs come back in
-    vLLM's flat form. vLLM's per-token work for logprobs (each one's token detokenized, a dict
-    per position) runs in the host process at every decoding step: 80 prompts x 8 samples x 24
-    tokens of SmolLM2-135M on an H200 took 1.05 s with it, 0.73-0.81 s without, 0.52 s without
-    logprobs at all (docs/BENCHMARKS.md)."""
-    from vllm import SamplingParams
-
-    settings = dict(
-        n=request.n_samples_per_prompt,
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        stop=request.stop or None,
-        detokenize=bool(request.stop),
-        logprobs=0 if request.logprobs else None,
-        flat_logprobs=True,
-        seed=seed_of_prompt(request, index),
-    )
-    return SamplingParams(**(settings | overrides))
-
-
-def _checked_sampling_params(request: Request, index: int):
-    """sampling_params, with vLLM's refusal of a setting (a temperature above 2, ...) an error of
-    the request's (`invalid_request`, permanent), not of the engine's (`engine_error`, sent again)."""
-    from vllm.exceptions import VLLMValidationError
-
-    try:
-        return sampling_params(request, index)
-    except (VLLMValidationError, ValueError) as exc:
-        raise RequestFailed(
-            ErrorCode.INVALID_REQUEST,
-            f"vLLM refuses the request's sampling settings: {exc}; change the setting it names",
-        ) from None
-
-
-def seed_of_prompt(request: Request, index: int) -> int | None:
-    """The engine seed of prompt `index` of `request`: from the prompt's own seed when the request
-    gives `prompt_seeds` (so the prompt samples the same in any request and at any position of
-    it), else from the request's `seed` and the index (prompt_seed)."""
-    if request.prompt_seeds is not None:
-        return own_prompt_seed(request.prompt_seeds[index])
-    return prompt_seed(request.seed, index)
-
-
-def own_prompt_seed(seed: int) -> int:
-    """The engine seed of a prompt whose request gave it `seed` (prompt_seeds), hashed as
-    prompt_seed's are, and for the same reason: vLLM seeds sample j with seed + j, so prompts
-    seeded s and s + 1 would share all but one of their samples' random numbers."""
-    digest = hashlib.blake2b(f"prompt:{seed}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # below 2**62: vLLM adds the sample's index
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """The seed of prompt `index` of a request seeded with `seed` (None: unseeded).
-
-    vLLM seeds the n samples of one prompt with seed, seed + 1, ..., so a request's prompts must
-    not share its seed: sample j of every prompt would draw the same random numbers (the same
-    junk character ended sample 1 of all 16 prompts of a step). Each prompt gets a seed hashed
-    from (seed, index): reproducible, and far from the seeds of the other prompts and of requests
-    seeded seed + 1, seed + 2... (the trainer seeds a step's parts so)."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # below 2**62: vLLM adds the sample's index
-
-
 def describe(facts: dict) -> str:
     """'CUDA graphs FULL_AND_PIECEWISE, 67 captured' or 'eager', for logs."""
     mode = facts.get("cudagraph_mode", "NONE").rpartition(".")[2]
@@ -509,93 +351,6 @@ def describe(facts: dict) -> str:
     if facts.get("compilation_mode", "").rpartition(".")[2] in ("NONE", "0"):
         described += ", no torch.compile"
     return described
-
-
-def _torch_dtype(dtype):
-    """vLLM's model dtype (a torch.dtype) or a name of one."""
-    import torch
-
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
-
-
-def prompt_ids(request: Request, tokenizer) -> list[list[int]]:
-    """The token ids of each prompt of `request`: given, tokenized from text, or conversations
-    rendered with the model's chat template (generation prompt added) and then tokenized without
-    special tokens of the tokenizer's own, as the template writes them (what HF's
-    `apply_chat_template(tokenize=True)` and vLLM's chat do)."""
-    if request.prompt_token_ids:
-        return request.prompt_token_ids
-    if not request.messages:
-        return [tokenizer(p)["input_ids"] for p in request.prompts]
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestFailed(
-            ErrorCode.NO_CHAT_TEMPLATE,
-            "the request gives `messages`, but the loaded model's tokenizer has no chat template "
-            "(tokenizer_config.json lacks `chat_template`); send plain-text `prompts` instead, or serve a model "
-            "whose tokenizer has one",
-        )
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": turn.role, "content": turn.content} for turn in conversation],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        for conversation in request.messages
-    ]
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-
-
-def _check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: int, vocab: int) -> None:
-    for i, ids in enumerate(ids_per_prompt):
-        if not ids:  # vLLM refuses it ("The decoder prompt cannot be empty"): the request's fault, not the engine's
-            raise RequestFailed(
-                ErrorCode.INVALID_REQUEST,
-                f"prompt {i} has no tokens (an empty text); give each prompt at least one character or token id",
-            )
-        if len(ids) + request.max_tokens > max_len:
-            raise RequestFailed(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt {i} has {len(ids)} tokens; with max_tokens {request.max_tokens} that exceeds the "
-                f"engine's limit of {max_len} tokens. Shorten the prompt, lower max_tokens, or start the worker "
-                "with a larger --max-model-len",
-            )
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestFailed(
-                ErrorCode.INVALID_REQUEST,
-                f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}; "
-                "tokenize with the tokenizer saved in weights_dir",
-            )
-
-
-def _completion(outputs, tokenizer, detokenized: bool) -> Completion:
-    """One request's answer from vLLM's outputs; texts decoded here unless vLLM `detokenized`
-    (the same text: the decoded ids without special tokens)."""
-    texts, token_ids, logprobs, finish, prompt_ids = [], [], [], [], []
-    for output in outputs:
-        samples = sorted(output.outputs, key=lambda c: c.index)
-        ids = [list(c.token_ids) for c in samples]
-        if detokenized:
-            texts.append([c.text for c in samples])
-        else:
-            texts.append([tokenizer.decode(i, skip_special_tokens=True) for i in ids])
-        token_ids.append(ids)
-        logprobs.append([_sampled_logprobs(c) for c in samples])
-        finish.append([c.finish_reason or "length" for c in samples])
-        prompt_ids.append(list(output.prompt_token_ids))
-    return Completion(texts, token_ids, logprobs, finish, prompt_ids)
-
-
-def _sampled_logprobs(sample) -> list[float]:
-    """The logprob of each sampled token, from vLLM's flat logprobs (`FlatLogprobs`: one list,
-    positions delimited by start_indices), where the sampled token comes first at each position."""
-    found = sample.logprobs
-    if found is None:
-        return []
-    firsts = found.start_indices
-    if [found.token_ids[i] for i in firsts] != list(sample.token_ids):
-        raise RuntimeError("vLLM's flat logprobs do not start with the sampled tokens")
-    return [found.logprobs[i] for i in firsts]
 
 
 def main(argv: list[str]) -> None:
