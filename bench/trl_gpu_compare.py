@@ -167,7 +167,7 @@ def problems(raw: dict, work: Path) -> tuple[Path, Path, int]:
     held_out = held_out[: cfg.canary.problems]
     paths = (work / "train.jsonl", work / "held_out.jsonl")
     for path, rows in zip(paths, (train, held_out), strict=True):
-        path.write_text("".join(json.dumps({"prompt": p.prompt, "gold": p.gold}) + "\n" for p in rows))
+        path.write_text("".join(json.dumps({"prompt": p.prompt, "gold": p.gold, **p.fields}) + "\n" for p in rows))
     return paths[0], paths[1], len(held_out)
 
 
@@ -272,10 +272,14 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
     functions = reward.get("functions", ["correct", "format", "overlong"])
     weights = reward.get("weights", [1.0, 0.0, 1.0])
     scoring = {f: w for f, w in zip(functions, weights, strict=True) if w}
-    if scoring != {"correct": 1.0} and not (
-        scoring.keys() == {"correct", "overlong"} and not reward.get("overlong_buffer")
-    ):
-        raise SystemExit(f"TRL's side scores correctness alone; the config's reward is {scoring}")
+    if "overlong" in scoring and not reward.get("overlong_buffer"):
+        del scoring["overlong"]  # off while its buffer is 0
+    users = {f: w for f, w in scoring.items() if ":" in f}
+    if scoring != {"correct": 1.0} and not (users and users == scoring):
+        raise SystemExit(
+            "TRL's side scores correctness alone or the config's own reward functions (TRL's convention, "
+            f"weighted as the config weighs them); the config's reward is {scoring}"
+        )
     if loss.get("kl_coef", 0) or train_cfg.get("updates_per_batch", 1) != 1:
         raise SystemExit("TRL's side mirrors kl_coef 0 and one update per batch")
     batch = rollout["prompts_per_step"] * rollout["samples_per_prompt"]
@@ -293,7 +297,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "out": str(work / "trl-out"),
         "seed": raw["run"].get("seed", 0),
         "steps": args.steps,
-        "eval_every": args.eval_every,
+        "eval_every": 0 if users else args.eval_every,  # held-out accuracy needs gold answers
         "prompts_per_step": rollout["prompts_per_step"],
         "samples_per_prompt": rollout["samples_per_prompt"],
         "micro_batches": micro_batches,
@@ -312,6 +316,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "correction": loss.get("correction", "none"),
         "correction_cap": loss.get("correction_cap", 2.0),
         "advantage_norm": loss.get("advantage_norm", "std"),
+        "user_rewards": sorted(users.items()),  # [("module:function", weight)]; none: correctness
     }
 
 
@@ -328,9 +333,24 @@ def trl_worker(spec: dict) -> None:
 
     gpu = torch.cuda.is_available()
 
+    def texts_of(completions) -> list[str]:
+        return [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+
     def correct(completions, gold, **_) -> list[float]:
-        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        return [float(verdict(extract_answer(text), g) is True) for text, g in zip(texts, gold, strict=True)]
+        return [float(verdict(extract_answer(t), g) is True) for t, g in zip(texts_of(completions), gold, strict=True)]
+
+    def user_reward(name: str):
+        """A config's reward function as TRL calls it: the completions' texts, the rows' columns."""
+        import importlib
+
+        module, function = name.split(":")
+        fn = getattr(importlib.import_module(module), function)
+
+        def reward(completions, **kwargs):
+            return [float(v) for v in fn(completions=texts_of(completions), **kwargs)]
+
+        reward.__name__ = function
+        return reward
 
     held_out = [json.loads(line) for line in Path(spec["held_out"]).read_text().splitlines()]
 
@@ -370,7 +390,8 @@ def trl_worker(spec: dict) -> None:
             self.evals.flush()
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.evaluate(0)
+            if spec["eval_every"]:
+                self.evaluate(0)
             self.last = time.monotonic()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -409,6 +430,7 @@ def trl_worker(spec: dict) -> None:
         if gpu
         else {"use_vllm": False, "use_cpu": True}
     )
+    users = spec.get("user_rewards") or []
     config = GRPOConfig(
         output_dir=spec["out"],
         seed=spec["seed"],
@@ -436,6 +458,7 @@ def trl_worker(spec: dict) -> None:
         epsilon=spec["clip_low"],
         epsilon_high=spec["clip_high"],
         loss_type="dapo",
+        reward_weights=[w for _, w in users] if users else None,
         scale_rewards="group" if spec["advantage_norm"] == "std" else "none",
         beta=0.0,
         num_iterations=1,
@@ -449,7 +472,7 @@ def trl_worker(spec: dict) -> None:
     log = Log()
     trainer = GRPOTrainer(
         model=spec["model"],
-        reward_funcs=correct,
+        reward_funcs=[user_reward(name) for name, _ in users] if users else correct,
         args=config,
         train_dataset=Dataset.from_list(rows),
         callbacks=[log],
