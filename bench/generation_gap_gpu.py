@@ -3,7 +3,8 @@ at a real model's shape and batch, side by side in one run.
 
     python bench/generation_gap_gpu.py --model DIR [--prompts 80 --samples 8 --tokens 24]
                                        [--temperature 0.7] [--steps 5] [--setups dedicated,colocated]
-                                       [--root /dev/shm] [--random-weights] [--json OUT]
+                                       [--root /dev/shm] [--random-weights] [--no-compile]
+                                       [--generations plain,worker_params,live] [--json OUT]
 
 DIR is an HF directory in bfloat16 (SmolLM2-135M-Instruct in docs/BENCHMARKS.md). Before anything
 is timed, the weights of each step are published as a trainer publishes them (trainer_svc.weights.publish
@@ -137,7 +138,8 @@ def direct(dirs: list[Path], prompts: list[str], root: Path, args, sleep_level: 
     inputs.write_text(json.dumps({"dirs": [str(d) for d in dirs], "prompts": prompts, "root": str(root)}))
     command = [sys.executable, __file__, "--direct-child", str(inputs), "--json", str(out),
                "--samples", str(args.samples), "--tokens", str(args.tokens), "--sleep-level", str(sleep_level),
-               "--temperature", str(args.temperature), "--model", str(args.model)]  # fmt: skip
+               "--temperature", str(args.temperature), "--model", str(args.model),
+               "--generations", args.generations] + (["--no-compile"] if args.no_compile else [])  # fmt: skip
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
 
@@ -162,7 +164,8 @@ def direct_child(args) -> None:
     engine = LiveEngine()
     engine_spec = EngineSpec(device="cuda:0", dtype="bfloat16", seed=0, max_model_len=MAX_MODEL_LEN,
                              enforce_eager=False, gpu_memory_utilization=COLOCATED_GPU_MEMORY if args.sleep_level
-                             else 0.85, kv_cache_gib=1.0, sleep_mode=bool(args.sleep_level))  # fmt: skip
+                             else 0.85, kv_cache_gib=1.0, sleep_mode=bool(args.sleep_level),
+                             compile=not args.no_compile)  # fmt: skip
     _, build_s = timed(engine.build, engine_spec, policy.inspect(dirs[0]))
     llm = engine.llm
     tokenizer = llm.get_tokenizer()
@@ -212,6 +215,8 @@ def direct_child(args) -> None:
     generations = [("plain", plain), ("worker_params", worker_params), ("live", live), ("before", before),
                    ("detokenized_flat", detokenized_flat), ("dict_logprobs", dict_logprobs),
                    ("no_logprobs", no_logprobs)]  # fmt: skip
+    wanted = set(args.generations.split(","))
+    generations = [(name, fn) for name, fn in generations if name in wanted]
     for _, warm in generations:  # the first calls of each shape pay for warm-up
         warm(0)
     rows = []
@@ -267,6 +272,8 @@ def through_spool(dirs: list[Path], prompts: list[str], root: Path, args, sleep_
     worker_id = f"bench-gap-{sleep_level}"
     worker_args = ["--engine", "vllm", "--weights", str(dirs[0]), "--allowed-root", str(root),
                    "--idle-exit", "0", "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+    if args.no_compile:
+        worker_args.append("--no-compile")
     if sleep_level:
         worker_args += ["--gpu-memory-utilization", str(COLOCATED_GPU_MEMORY), "--sleep-when-idle",
                         str(COLOCATED_SLEEP_S), "--sleep-level", str(sleep_level)]  # fmt: skip
@@ -342,6 +349,7 @@ def summary(d: dict, s: dict) -> dict:
     }
 
 
+GENERATIONS = ("plain", "worker_params", "live", "before", "detokenized_flat", "dict_logprobs", "no_logprobs")
 SETUPS = {"dedicated": 0, "colocated": 2}  # the worker's sleep level: none, or a colocated trainer's
 
 
@@ -361,12 +369,22 @@ def main() -> None:
         action="store_true",
         help="the model's shape and tokenizer with random weights: every completion runs to --tokens",
     )
+    parser.add_argument("--no-compile", action="store_true", help="both engines without torch.compile (rollout-svc serve --no-compile)")
+    parser.add_argument(
+        "--generations",
+        default=",".join(GENERATIONS),
+        help="comma-separated direct generations to time; plain and worker_params are always kept (the ratios' bases)",
+    )
     parser.add_argument("--direct-child", help=argparse.SUPPRESS)  # internal: run (a) in its own process
     parser.add_argument("--sleep-level", type=int, default=0, help=argparse.SUPPRESS)  # internal, with the above
     args = parser.parse_args()
     if args.direct_child:
         direct_child(args)
         return
+    generations = set(args.generations.split(",")) | {"plain", "worker_params"}
+    if generations - set(GENERATIONS):
+        parser.error(f"unknown --generations {sorted(generations - set(GENERATIONS))}; choose from {', '.join(GENERATIONS)}")
+    args.generations = ",".join(g for g in GENERATIONS if g in generations)
     setups = args.setups.split(",")
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:

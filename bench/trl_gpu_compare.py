@@ -150,7 +150,9 @@ def load_settings(args) -> dict:
         if value:
             rollout[key] = value
     raw.setdefault("train", {})["steps"] = args.steps
-    raw.setdefault("canary", {})["every"] = args.eval_every
+    canary = raw.setdefault("canary", {})
+    if canary.get("every", 1):  # a config that turns its canary off has rows without gold answers
+        canary["every"] = args.eval_every
     return raw
 
 
