@@ -36,6 +36,7 @@ import torch
 
 from protocol import fsio, pinned_memory
 from protocol.spool import Spool
+from protocol.spool_names import NamedWeights, weights_named
 from protocol.weight_slots import (
     ALIGNMENT,
     SLOT_DATA,
@@ -57,7 +58,6 @@ from protocol.weights_dir import COPIED_FILES, step_content_id
 
 from ..config import Config
 from ..distributed import Distributed, on_rank0
-from .publish import _named_by_spool
 from .writer import TensorStream, iter_full_tensors
 
 log = logging.getLogger(__name__)
@@ -203,23 +203,18 @@ class SlotRing:
         named = self._named()
         for slot in incomplete + [slot for slot, _ in complete[:-1]]:  # never the newest
             if slot in held_complete:
-                if named is None or os.path.realpath(slot) in named:
+                if named is None or named.names(slot):
                     continue  # a pending request names it (or the spool cannot say): its weights must stay
                 _retire(slot)
             if not self.judge.held(slot):
                 return slot
         return None
 
-    def _named(self) -> set[str] | None:
-        """Real paths pending or claimed requests name; None when that cannot be known."""
+    def _named(self) -> NamedWeights | None:
+        """What pending or claimed requests name; None when that cannot be known."""
         if self.spool_dir is None:
-            return set()
-        named = _named_by_spool(self.spool_dir)
-        if named is None:
-            return None
-        paths, raw = named
-        # A request that does not parse protects every slot whose path appears in its bytes.
-        return paths | {os.path.realpath(s) for s in self.slots if any(str(s).encode() in text for text in raw)}
+            return NamedWeights(frozenset(), ())
+        return weights_named(self.spool_dir)
 
     def write(
         self,
@@ -297,7 +292,7 @@ class SlotRing:
         """The slots a reader holds or a pending or claimed request names (all of them when the
         spool cannot say)."""
         named = self._named()
-        return [s for s in self.slots if named is None or os.path.realpath(s) in named or self.judge.held(s)]
+        return [s for s in self.slots if named is None or named.names(s) or self.judge.held(s)]
 
     def remove(self) -> None:
         """Remove the whole ring (its memory is the host's): at the end of a run."""
