@@ -13,7 +13,7 @@ fraction a real run measures: bench/weight_deltas.py), then, side by side:
 
 - full: trainer_svc.weights.publish.publish of the step into the trainer's mount; the worker reads the
   directory's shards from its own mount (what an in-place reload reads);
-- delta: trainer_svc.weights.deltas.DeltaPublisher (an anchor first, then deltas) into the
+- delta: trainer_svc.weights.deltas.DeltaWriter (an anchor first, then deltas) into the
   trainer's mount; the worker's loader (rollout_svc.delta_load) reads the delta from its mount,
   applies it to the copy it holds and writes the rebuilt weights to its tmpfs, then reads them
   from there (what the engine's reload of the rebuilt directory reads).
@@ -45,7 +45,7 @@ from safetensors.torch import load_file  # noqa: E402
 from protocol.watch import filesystem_type  # noqa: E402
 from rollout_svc.delta_load import DeltaLoader  # noqa: E402
 from rollout_svc.weights import WeightsPolicy  # noqa: E402
-from trainer_svc.weights.deltas import DeltaPublisher  # noqa: E402
+from trainer_svc.weights.deltas import DeltaWriter  # noqa: E402
 from trainer_svc.weights.publish import publish  # noqa: E402
 
 MODEL = ROOT / "build" / "smollm2-135m-instruct"
@@ -102,7 +102,7 @@ def main() -> None:
             sshfs_mount(server, export, base / "trainer") as trainer,
             sshfs_mount(server, export, base / "worker") as worker,
         ):
-            publisher = DeltaPublisher(args.anchor_every)
+            publisher = DeltaWriter(args.anchor_every)
             loader = DeltaLoader(WeightsPolicy())
             for step in range(1, args.steps + 1):
                 tensors = flip(tensors, args.fraction, seed=step) if step > 1 else tensors

@@ -17,8 +17,9 @@ torch.set_num_threads(1)
 
 from protocol import weight_delta, weights_chain  # noqa: E402
 from protocol.weights_dir import read_manifest  # noqa: E402
-from trainer_svc.weights.deltas import DeltaPublisher, deltas_wanted  # noqa: E402
+from trainer_svc.weights.deltas import DeltaWriter  # noqa: E402
 from trainer_svc.weights.publish import prune_published  # noqa: E402
+from trainer_svc.weights.sync import deltas_wanted  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from manifest_check import verify  # noqa: E402
@@ -77,7 +78,7 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_a_chain_of_deltas_rebuilds_every_publish_bit_for_bit(base, tmp_path):
-    publisher = DeltaPublisher(anchor_every=4)
+    publisher = DeltaWriter(anchor_every=4)
     weights = start_weights()
     kinds = []
     for n in range(1, 10):
@@ -100,7 +101,7 @@ def test_a_chain_of_deltas_rebuilds_every_publish_bit_for_bit(base, tmp_path):
 
 
 def test_a_dense_update_is_published_whole(base, tmp_path):
-    publisher = DeltaPublisher(anchor_every=100)
+    publisher = DeltaWriter(anchor_every=100)
     weights = start_weights()
     publisher.publish(1, weights, publish_dir=tmp_path / "pub", base_model=base, dtype=torch.bfloat16)
     dense = step(weights, 0.9, seed=2)
@@ -112,7 +113,7 @@ def test_a_dense_update_is_published_whole(base, tmp_path):
 
 
 def test_prune_keeps_the_links_of_every_chain_it_must_keep(base, tmp_path):
-    publisher = DeltaPublisher(anchor_every=4)
+    publisher = DeltaWriter(anchor_every=4)
     weights, paths, served = start_weights(), {}, {}
     for n in range(1, 8):  # 1 full, 2-4 deltas, 5 full, 6-7 deltas
         weights = step(weights, 0.03, seed=n)
@@ -153,7 +154,7 @@ def test_auto_publishes_deltas_over_a_network_filesystem_only(tmp_path):
 def test_tensors_already_in_the_serving_dtype_are_read_in_place_and_never_kept(base, tmp_path):
     """A model trained in bfloat16 on the host: its parameters are diffed where they are, not
     copied; the copy held must still be the publish's, not the parameters updated in place since."""
-    publisher = DeltaPublisher(anchor_every=3)
+    publisher = DeltaWriter(anchor_every=3)
     parameters = {name: t.to(torch.bfloat16) for name, t in start_weights().items()}
     kinds = []
     for n in range(1, 8):

@@ -170,7 +170,7 @@ def test_a_request_written_while_the_prune_runs_keeps_its_weights(base, tmp_path
     publish_dir = tmp_path / "pub"
     paths = publish_steps(publish_dir, base, range(1, 5))
     spool = make_spool(tmp_path / "spool")
-    real_scan = publish_module._named_by_spool
+    real_scan = publish_module.weights_named
     scans = []
 
     def scan_then_a_request_arrives(spool_dir):
@@ -180,7 +180,7 @@ def test_a_request_written_while_the_prune_runs_keeps_its_weights(base, tmp_path
             (spool / "claimed" / "late@gpu0.json").write_text(request(str(paths[2]), "late"))
         return found
 
-    monkeypatch.setattr(publish_module, "_named_by_spool", scan_then_a_request_arrives)
+    monkeypatch.setattr(publish_module, "weights_named", scan_then_a_request_arrives)
     removed = prune_published(publish_dir, keep_last=1, spool_dir=spool)
     assert removed == [paths[1], paths[3]]
     assert visible(publish_dir) == ["step_00000002", "step_00000004"]

@@ -107,9 +107,11 @@ def test_the_weights_named_by_the_spool_survive_any_request_file(spool, make_req
     (spool.requests / "latin.json").write_bytes(b"\xff\xfe step_9")
     (spool.requests / "odd.json").mkdir()
     (spool.claimed / "claimed-deep@w1.json").write_bytes(b'{"weights_dir": ' + DEEP)
-    paths, raw = finishes(lambda: weights_named(spool.root))
-    assert paths == {os.path.realpath(named)}
-    assert sorted(raw) == sorted([DEEP, b"\xff\xfe step_9", b'{"weights_dir": ' + DEEP])  # searched by the caller
+    found = finishes(lambda: weights_named(spool.root))
+    assert found.paths == {os.path.realpath(named)}
+    assert sorted(found.unparsed) == sorted([DEEP, b"\xff\xfe step_9", b'{"weights_dir": ' + DEEP])
+    assert found.names(named) and found.names(tmp_path / "elsewhere" / "step_9")  # in latin.json's bytes
+    assert not found.names(tmp_path / "weights" / "step_2")
 
 
 def test_a_request_file_that_cannot_be_read_makes_the_names_unknown(spool, monkeypatch):

@@ -37,12 +37,20 @@ class Distributed:
 
 
 def on_rank0(
-    dist_info: Distributed | None, work: Callable[[], T], what: str, *, agree: bool = True, drain: Iterable = ()
+    dist_info: Distributed | None,
+    work: Callable[[], T],
+    what: str,
+    *,
+    agree: bool = True,
+    drain: Iterable = (),
+    share: bool = False,
 ) -> T | None:
     """`work()` on rank 0, its result there (None elsewhere). With `agree` every rank calls this and
     learns whether rank 0 failed, so that none waits on for a rank 0 that gave up: rank 0 raises
     its own error, the others one saying it could not `what`. `drain`: what the other ranks must
-    still consume first (the gathers of a collective stream that rank 0 did not reach)."""
+    still consume first (the gathers of a collective stream that rank 0 did not reach). `share`:
+    every rank calls this and gets rank 0's result (a small picklable object), told in the same
+    broadcast as its outcome: one round trip to rank 0 and back, not two."""
     main = dist_info is None or dist_info.is_main
     result, error = None, None
     if main:
@@ -50,12 +58,15 @@ def on_rank0(
             result = work()
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
             error = exc
-    if agree and dist_info is not None:
+    if (agree or share) and dist_info is not None:
         for _ in drain:
             pass
-        outcome = dist_info.from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+        told = None if error is None else f"{type(error).__name__}: {error}"
+        outcome, shared = dist_info.from_rank0((told, result if share else None))
         if not main and outcome is not None:
             raise RuntimeError(f"rank 0 could not {what}: {outcome}")
+        if share:
+            result = shared
     if error is not None:
         raise error
     return result

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from protocol import weight_delta
-from protocol.watch import filesystem_type, needs_polling
 from protocol.weights_chain import DELTA_FILE
 from protocol.weights_dir import STEP_PREFIX, step_content_id
 
@@ -72,22 +71,7 @@ class PublishStats:
         return None if self.changed is None else self.changed / max(self.elements, 1)
 
 
-def deltas_wanted(mode: str, publish_dir: Path) -> tuple[bool, str]:
-    """Whether `publish.delta = mode` publishes deltas into `publish_dir`, and why (for the banner):
-    "auto" turns them on over a network filesystem, where each byte a worker reads crosses the
-    network, and off on a local one, where a full publish costs less than a diff."""
-    if mode in ("on", "off"):
-        return mode == "on", f"publish.delta = {mode}"
-    probe = Path(publish_dir)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent  # not created yet: its filesystem is its nearest existing parent's
-    fstype = filesystem_type(probe) or "unknown"
-    if needs_polling(probe):
-        return True, f"auto: {probe} is on a network filesystem ({fstype})"
-    return False, f"auto: {probe} is on a local filesystem ({fstype})"
-
-
-class DeltaPublisher:
+class DeltaWriter:
     def __init__(self, anchor_every: int):
         if anchor_every < 1:
             raise ValueError(f"publish.delta_anchor_every must be at least 1, not {anchor_every}")

@@ -39,7 +39,7 @@ import torch
 
 from protocol import weights_chain
 from protocol.fsio import fsync_dir
-from protocol.spool_names import weights_named as _named_by_spool  # slots.py asks it too
+from protocol.spool_names import weights_named
 from protocol.weights_dir import (
     STEP_PREFIX,
     ManifestError,
@@ -186,12 +186,10 @@ def prune_published(publish_dir: Path, keep_last: int, spool_dir: Path | None) -
 def _unnamed(candidates: list[Path], spool_dir: Path, chains: dict[str, weights_chain.Version]) -> list[Path]:
     """Those of `candidates` that no request in the spool names, nor needs as a link of the chain
     of a delta it names (none when that cannot be known)."""
-    named = _named_by_spool(spool_dir)
+    named = weights_named(spool_dir)
     if named is None:
         return []
-    paths, raw = named
-    direct = [path for path in candidates if any(path.name.encode() in text for text in raw)]
-    protected = {os.path.realpath(path) for path in weights_chain.needed([*paths, *direct], chains)}
+    protected = named.protected(candidates, chains)
     return [path for path in candidates if os.path.realpath(path) not in protected]
 
 

@@ -17,7 +17,7 @@ Guarantees (protocol.weight_slots states the slot's; these are the writer's):
   link, opened without following links); a ring that fails is refused (NotPrivate, naming the
   path and what to do) before a byte is written through it.
 - Bounded: `choose` waits at most `wait_s` for a free slot and returns None after that, for the
-  caller to publish a directory instead (WeightSync does, saying so in the log).
+  caller to publish a directory instead (publishers.slot does, saying so in the log).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 from protocol import fsio, pinned_memory
 from protocol.spool import Spool
+from protocol.spool_names import NamedWeights, weights_named
 from protocol.weight_slots import (
     ALIGNMENT,
     SLOT_DATA,
@@ -50,73 +51,16 @@ from protocol.weight_slots import (
     open_slot_data,
     plan_layout,
     read_slot_manifest,
-    ring_dir,
     slot_dir_name,
 )
-from protocol.weights_dir import COPIED_FILES, step_content_id
+from protocol.weights_dir import COPIED_FILES
 
 from ..config import Config
-from ..distributed import Distributed, on_rank0
-from .publish import _named_by_spool
-from .writer import TensorStream, iter_full_tensors
+from .writer import TensorStream
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.01  # between looks for a free slot
-
-
-def slots_choice(cfg: Config) -> tuple[Path | None, str]:
-    """Whether this run publishes into slots, and where: (the ring, a line for the banner), or
-    (None, why not). `publish.slots = "on"` with a slots_dir that cannot hold the ring is an error."""
-    mode, root = cfg.publish.slots, Path(cfg.publish.slots_dir)
-    if mode == "off":
-        return None, f"weights directories in {cfg.publish_dir} (publish.slots = off)"
-    if mode == "auto" and not cfg.rollout.spawn:
-        return None, (
-            f"weights directories in {cfg.publish_dir} (publish.slots = auto and rollout.spawn = false: the "
-            "workers may be on other hosts; set publish.slots = on where they share this one)"
-        )
-    need = cfg.publish.slots_count * _weights_bytes(Path(cfg.model.path))
-    free = shutil.disk_usage(root).free if root.is_dir() else 0
-    free += sum(p.lstat().st_size for p in ring_dir(root, cfg.run_dir).glob(f"*/{SLOT_DATA}"))  # a relaunch's own
-    if free < need:
-        why = f"{root} has {free / 2**20:.0f} MiB free, the ring needs about {need / 2**20:.0f} MiB"
-        if mode == "on":
-            raise ValueError(
-                f"publish.slots = on, but {why}: give publish.slots_dir a larger tmpfs, lower publish.slots_count, "
-                "or set publish.slots = auto"
-            )
-        return None, f"weights directories in {cfg.publish_dir} ({why}: publish.slots_dir)"
-    ring = ring_dir(root, cfg.run_dir)
-    every = cfg.publish.dir_every
-    return ring, (
-        f"shared-memory slots: {cfg.publish.slots_count} in {ring}, loaded by the worker straight into its engine; "
-        f"a directory in {cfg.publish_dir} {f'every {every} steps and ' if every else ''}at the last step"
-    )
-
-
-def _weights_bytes(model: Path) -> int:
-    """What a publish of `model` holds, about: its safetensors files (the serving dtype may halve it)."""
-    return sum(p.stat().st_size for p in model.glob("*.safetensors")) or 2**20
-
-
-def publish_slot(
-    ring: SlotRing | None, slot: Path | None, step: int, model, dist_info: Distributed, dtype, cfg: Config
-) -> SlotWritten | None:
-    """Every rank: the model's weights into `slot` (rank 0 writes; under FSDP2 the others take part
-    in each gather). Returns the record on rank 0, None elsewhere."""
-    stream = iter_full_tensors(model, dist_info)
-    source = stream.fetch([spec.name for spec in stream.specs])  # the order a slot's layout takes them in
-    content_id = step_content_id(cfg.run_dir.name, step)
-    return on_rank0(
-        dist_info,
-        lambda: ring.write(
-            slot, step, content_id, TensorStream(stream.specs, lambda _: source), dtype, Path(cfg.model.path)
-        ),
-        f"write the weight slot {slot}",
-        agree=stream.collective,
-        drain=source,
-    )
 
 
 @dataclass(frozen=True)
@@ -203,23 +147,18 @@ class SlotRing:
         named = self._named()
         for slot in incomplete + [slot for slot, _ in complete[:-1]]:  # never the newest
             if slot in held_complete:
-                if named is None or os.path.realpath(slot) in named:
+                if named is None or named.names(slot):
                     continue  # a pending request names it (or the spool cannot say): its weights must stay
                 _retire(slot)
             if not self.judge.held(slot):
                 return slot
         return None
 
-    def _named(self) -> set[str] | None:
-        """Real paths pending or claimed requests name; None when that cannot be known."""
+    def _named(self) -> NamedWeights | None:
+        """What pending or claimed requests name; None when that cannot be known."""
         if self.spool_dir is None:
-            return set()
-        named = _named_by_spool(self.spool_dir)
-        if named is None:
-            return None
-        paths, raw = named
-        # A request that does not parse protects every slot whose path appears in its bytes.
-        return paths | {os.path.realpath(s) for s in self.slots if any(str(s).encode() in text for text in raw)}
+            return NamedWeights(frozenset(), ())
+        return weights_named(self.spool_dir)
 
     def write(
         self,
@@ -297,7 +236,7 @@ class SlotRing:
         """The slots a reader holds or a pending or claimed request names (all of them when the
         spool cannot say)."""
         named = self._named()
-        return [s for s in self.slots if named is None or os.path.realpath(s) in named or self.judge.held(s)]
+        return [s for s in self.slots if named is None or named.names(s) or self.judge.held(s)]
 
     def remove(self) -> None:
         """Remove the whole ring (its memory is the host's): at the end of a run."""
