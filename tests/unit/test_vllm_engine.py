@@ -363,11 +363,11 @@ def test_a_tokenizer_identical_to_the_live_one_is_not_loaded_again(engine, model
     """Each publish carries the same tokenizer files: checked once, when the engine took them.
     Other files are loaded and checked; a config whose vocabulary is smaller than the known
     tokenizer is still refused."""
-    from rollout_svc.engines import vllm
+    from rollout_svc.engines import tokenizer_check
 
     loads = []
-    real = vllm.tokenizer_size
-    monkeypatch.setattr(vllm, "tokenizer_size", lambda path: loads.append(path) or real(path))
+    real = tokenizer_check.tokenizer_size
+    monkeypatch.setattr(tokenizer_check, "tokenizer_size", lambda path: loads.append(path) or real(path))
     e = engine()
     e.load(str(models["a"]))
     e.load(str(models["b"]))
@@ -558,7 +558,7 @@ def test_the_tokenizers_size_is_transformers_count_without_importing_transformer
 
     from transformers import AutoTokenizer
 
-    from rollout_svc.engines.vllm import tokenizer_size
+    from rollout_svc.engines.tokenizer_check import tokenizer_size
 
     for name in ("a", "retok"):
         assert tokenizer_size(str(models[name])) == len(AutoTokenizer.from_pretrained(models[name])), name
@@ -571,8 +571,8 @@ def test_the_tokenizers_size_is_transformers_count_without_importing_transformer
     (extra / "tokenizer_config.json").write_text(json.dumps(config))
     assert tokenizer_size(str(extra)) == len(AutoTokenizer.from_pretrained(extra)) == 101
     code = (
-        f"import sys; from rollout_svc.engines.vllm import tokenizer_size; tokenizer_size({str(models['a'])!r}); "
-        "print('transformers' in sys.modules)"
+        "import sys; from rollout_svc.engines.tokenizer_check import tokenizer_size; "
+        f"tokenizer_size({str(models['a'])!r}); print('transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
