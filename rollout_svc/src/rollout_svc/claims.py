@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 from protocol import exit_codes
 from protocol.spool import Claim, Spool, split_claimed_name
@@ -33,12 +34,14 @@ EXIT_HEARTBEAT_LOST = exit_codes.INTERNAL_ERROR  # systemd restarts it; others s
 EXIT_CANNOT_WRITE = exit_codes.CANNOT_WRITE  # a full disk, or a spool that cannot be read: claims given back
 
 
+@dataclass
 class Claims:
-    def __init__(self, spool: Spool, worker_id: str, heartbeat: Heartbeat, skipped: Skipped):
-        self.spool = spool
-        self.worker_id = worker_id
-        self.heartbeat = heartbeat
-        self.skipped = skipped
+    """The claims of the worker `worker_id`: taken, given back and settled in `spool`."""
+
+    spool: Spool
+    worker_id: str
+    heartbeat: Heartbeat
+    skipped: Skipped
 
     def claim(self, entry) -> Claim | None:
         """spool.claim, tried again on ESTALE or EIO. A retried rename may find the file gone

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Job:
+    """Results of the engine `engine` on the worker `worker_id`; failures noted in `heartbeat`."""
+
     claim: Claim
     request: Request
     claimed_at: float
@@ -40,12 +42,12 @@ class Job:
         return max(0.0, self.claimed_at - self.claim.arrived_at)
 
 
+@dataclass
 class Answers:
-    def __init__(self, engine: Engine, worker_id: str, request_limits: RequestLimits, heartbeat: Heartbeat):
-        self.engine = engine
-        self.worker_id = worker_id
-        self.request_limits = request_limits
-        self.heartbeat = heartbeat
+    engine: Engine
+    worker_id: str
+    request_limits: RequestLimits
+    heartbeat: Heartbeat
 
     def _common(self, job: Job) -> dict:
         return dict(

@@ -42,59 +42,44 @@ from .weights import Weights, WeightsPolicy, declared_manifest, weights_of
 
 
 @dataclass(frozen=True)
-class FullWeights:
+class _Validated:
+    weights: Weights  # validated by rollout_svc.weights.weights_of
+
+    @property
+    def path(self) -> str:
+        return self.weights.path
+
+    @property
+    def content_id(self) -> str:
+        return self.weights.content_id
+
+
+class FullWeights(_Validated):
     """An HF-format weights directory, validated."""
 
-    weights: Weights
 
-    @property
-    def path(self) -> str:
-        return self.weights.path
-
-    @property
-    def content_id(self) -> str:
-        return self.weights.content_id
-
-
-@dataclass(frozen=True)
-class SlotWeights:
+class SlotWeights(_Validated):
     """A weight slot, its manifest inspected (`weights.slot`)."""
 
-    weights: Weights
-
-    @property
-    def path(self) -> str:
-        return self.weights.path
-
-    @property
-    def content_id(self) -> str:
-        return self.weights.content_id
-
 
 @dataclass(frozen=True)
-class DeltaWeights:
-    """A delta publish, or an anchor of a chain of them: what the delta loader rebuilds."""
-
+class _Declared:
     path: str  # as the request named it
     real_path: str  # symlinks resolved
-    manifest: Manifest  # the version to rebuild: its content id and step
+    manifest: Manifest  # what makes it this form, and the content id it names
 
     @property
     def content_id(self) -> str:
         return self.manifest.content_id
 
 
-@dataclass(frozen=True)
-class AdapterWeights:
+class DeltaWeights(_Declared):
+    """A delta publish, or an anchor of a chain of them: what the delta loader rebuilds (the
+    version its manifest names)."""
+
+
+class AdapterWeights(_Declared):
     """A LoRA adapter directory; `manifest.adapter` names its base (by content id) and rank."""
-
-    path: str  # as the request named it
-    real_path: str  # symlinks resolved
-    manifest: Manifest
-
-    @property
-    def content_id(self) -> str:
-        return self.manifest.content_id
 
 
 WeightForm = FullWeights | SlotWeights | DeltaWeights | AdapterWeights

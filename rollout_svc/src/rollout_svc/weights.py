@@ -4,7 +4,9 @@ A weights directory is an HF-format model: config.json, one or more .safetensors
 model.safetensors.index.json when sharded) and tokenizer files. Only safetensors are loaded:
 pickle-based formats (.bin, .pt) are refused, never opened.
 
-Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data.
+Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data. The
+manifest is read by the caller once (`declared_manifest`; rollout_svc.weight_forms decides a
+directory's form from it) and handed to `weights_of`, which reads it no more.
 A weight slot (protocol.weight_slots: a flat tensors file and its manifest, with the config and
 tokenizer beside them) is inspected the same way and carries its manifest (`Weights.slot`);
 slot_load.py loads it.

@@ -1,6 +1,9 @@
 """The vLLM engine: one `LLM` in a process of its own, its weights reloaded in place when a request
 names others, asleep when the worker asks, rebuilt in a new process when nothing else works.
 
+Each call resolves its `weights_dir` once (rollout_svc.weight_forms: full weights, a slot, a delta
+publish, a LoRA adapter) and loads that form; a directory replaced under a load is resolved again.
+
 A LoRA adapter (rollout_svc.adapters; the engine started with --max-lora-rank) is served on the
 live weights when they are its base (by content id): checked and copied once, added to vLLM's
 adapter cache, named in the call (vLLM's LoRARequest); the base is never reloaded for it.
