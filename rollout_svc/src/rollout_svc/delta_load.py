@@ -18,8 +18,8 @@ Guarantees:
   directory on the chain; when there is none and the copy held is not on the chain either, the
   request fails with weights_not_found naming the version the chain breaks at.
 - Every directory read (the named one, through rollout_svc.weight_forms.resolve; each link; the
-  anchor) passes the worker's policy (allowed roots) first; a link whose content id changes while it is read (republished) is
-  read again, a few times, then the request fails with weights_invalid.
+  anchor) passes the worker's policy (allowed roots) first; a link whose content id changes while
+  it is read (republished) is read again, a few times, then the request fails with weights_invalid.
 - The cache holds the rebuilt weights of one version at a time; a loader's own cache
   (`rollout-deltas-<pid>-...` in /dev/shm, or the temporary directory when /dev/shm lacks room)
   is removed when the loader goes, and the next loader removes those of processes that are gone.

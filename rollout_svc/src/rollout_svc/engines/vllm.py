@@ -48,9 +48,9 @@ from ..errors import RequestFailed, require_content_id
 from ..slot_load import SlotChanged, slot_corruption, slot_lease
 from ..weight_forms import AdapterWeights, DeltaWeights, WeightForm, resolve
 from ..weights import Weights, WeightsPolicy
-from . import tokenizer_check
 from .base import Completion, StateListener, ignore_state
 from .host import EngineHost, HostDied, HostError
+from .tokenizer_check import tokenizer_id as tokenizer_of
 from .vllm_host import EngineSpec, describe
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class VllmEngine:
             tokenizer_id, tokenizer_size = self.tokenizer_id, self.tokenizer_size
         else:
             known = (self.tokenizer_id, self.tokenizer_size)  # files equal to these are not loaded again
-            tokenizer_id, tokenizer_size = tokenizer_check.tokenizer_id(weights, known)
+            tokenizer_id, tokenizer_size = tokenizer_of(weights, known)
         started = time.monotonic()
         read = weights.size_bytes
         same_shape = (
