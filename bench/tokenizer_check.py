@@ -1,6 +1,6 @@
 """What a worker's check of a new tokenizer costs before its engine process starts: counting it
 through transformers (its import, then AutoTokenizer) against the `tokenizers` library
-(rollout_svc.engines.vllm.tokenizer_size), each in a fresh interpreter, in turn.
+(rollout_svc.engines.tokenizer_check.tokenizer_size), each in a fresh interpreter, in turn.
 
     .venvs/rollout/bin/python bench/tokenizer_check.py [--model build/smollm2-135m-instruct] [--rounds 3] [--json OUT]
 """
@@ -29,7 +29,7 @@ print(json.dumps({"import_s": imported - started, "load_s": time.perf_counter() 
 """
 TOKENIZERS = """
 import json, sys, time
-from rollout_svc.engines.vllm import tokenizer_size
+from rollout_svc.engines.tokenizer_check import tokenizer_size
 started = time.perf_counter()
 size = tokenizer_size(sys.argv[1])
 seconds = time.perf_counter() - started

@@ -151,6 +151,7 @@ def _load_raw(shard: Path) -> dict[str, np.ndarray]:
 
 def measure(publish_dir: Path, args) -> dict:
     from rollout_svc.delta_load import DeltaLoader
+    from rollout_svc.weight_forms import resolve
     from rollout_svc.weights import WeightsPolicy
 
     found = sorted(weights_chain.versions(publish_dir).values(), key=lambda v: v.step)
@@ -161,7 +162,7 @@ def measure(publish_dir: Path, args) -> dict:
         if version.delta_base is None:
             current = load_full(version.path)
         else:  # the trainer published a delta: rebuild it as the worker does
-            weights = loader.inspect(str(version.path))
+            weights = loader.weights(resolve(loader.policy, str(version.path)))
             current = load_full(Path(weights.real_path))
         if previous is not None:
             started = time.perf_counter()

@@ -44,6 +44,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from protocol.watch import filesystem_type  # noqa: E402
 from rollout_svc.delta_load import DeltaLoader  # noqa: E402
+from rollout_svc.weight_forms import DeltaWeights, resolve  # noqa: E402
 from rollout_svc.weights import WeightsPolicy  # noqa: E402
 from trainer_svc.weights.deltas import DeltaWriter  # noqa: E402
 from trainer_svc.weights.publish import publish  # noqa: E402
@@ -119,7 +120,8 @@ def main() -> None:
                     step, tensors, publish_dir=trainer / "delta", base_model=args.model, dtype=torch.bfloat16
                 )
                 published = time.perf_counter()
-                weights = loader.inspect(str(worker / "delta" / record.path.name))
+                form = resolve(loader.policy, str(worker / "delta" / record.path.name))  # an anchor at first
+                weights = loader.weights(form) if isinstance(form, DeltaWeights) else form.weights
                 rebuilt = time.perf_counter()
                 read_shards(Path(weights.real_path))
                 row |= {

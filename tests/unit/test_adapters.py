@@ -20,10 +20,10 @@ from protocol.weights_dir import (
     FileEntry,
     Manifest,
     encode_manifest,
-    read_manifest,
 )
-from rollout_svc.adapters import Adapters, adapter_manifest
+from rollout_svc.adapters import Adapters
 from rollout_svc.errors import RequestFailed
+from rollout_svc.weight_forms import AdapterWeights, FullWeights, resolve
 from rollout_svc.weights import WeightsPolicy
 
 
@@ -51,32 +51,39 @@ def write_adapter(path: Path, content_id: str, rank: int = 4, base: str = "stat-
     return path
 
 
-def refusal(adapters: Adapters, path: Path, expected: str | None = None) -> RequestFailed:
+def prepared(adapters: Adapters, path: Path, expected: str | None = None, policy: WeightsPolicy | None = None):
+    """What the engine does for a request naming the adapter `path`: resolve it, then prepare it."""
+    return adapters.prepare(resolve(policy or WeightsPolicy(), str(path)), expected)
+
+
+def refusal(adapters: Adapters, path: Path, expected: str | None = None, policy=None) -> RequestFailed:
     with pytest.raises(RequestFailed) as caught:
-        adapters.prepare(str(path), read_manifest(path), expected)
+        prepared(adapters, path, expected, policy)
     return caught.value
 
 
 def test_only_a_manifest_naming_a_base_makes_an_adapter(tmp_path):
     adapter = write_adapter(tmp_path / "adapter", "run-step_00000001-aaaa0000")
-    assert adapter_manifest(str(adapter)).adapter.rank == 4
+    form = resolve(WeightsPolicy(), str(adapter))
+    assert isinstance(form, AdapterWeights) and form.manifest.adapter.rank == 4
     model = tmp_path / "model"
     model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, model / "model.safetensors")
     (model / MANIFEST).write_bytes(encode_manifest(Manifest(step=1, content_id="x")))
-    assert adapter_manifest(str(model)) is None  # full weights
-    assert adapter_manifest(str(tmp_path / "missing")) is None  # the ordinary path says what is wrong
+    assert isinstance(resolve(WeightsPolicy(), str(model)), FullWeights)  # full weights
 
 
 def test_a_worker_without_lora_or_with_a_lower_rank_refuses_naming_the_option(tmp_path):
     adapter = write_adapter(tmp_path / "adapter", "c1", rank=16)
-    off = refusal(Adapters(WeightsPolicy(), max_rank=0, keep=2), adapter)
+    off = refusal(Adapters(max_rank=0, keep=2), adapter)
     assert off.code == ErrorCode.ADAPTER_REFUSED and "--max-lora-rank 16" in off.message
-    low = refusal(Adapters(WeightsPolicy(), max_rank=8, keep=2), adapter)
+    low = refusal(Adapters(max_rank=8, keep=2), adapter)
     assert low.code == ErrorCode.ADAPTER_REFUSED and "rank 16, above this worker's --max-lora-rank 8" in low.message
 
 
 def test_a_replaced_directory_or_a_torn_copy_is_refused(tmp_path):
-    adapters = Adapters(WeightsPolicy(), max_rank=8, keep=2)
+    adapters = Adapters(max_rank=8, keep=2)
     adapter = write_adapter(tmp_path / "adapter", "c1")
     stale = refusal(adapters, adapter, expected="c0")
     assert stale.code == ErrorCode.WEIGHTS_INVALID and "weights_content_id" in stale.message
@@ -95,19 +102,19 @@ def test_a_file_outside_the_allowed_roots_is_refused(tmp_path):
     outside = tmp_path / "elsewhere.safetensors"
     os.rename(adapter / ADAPTER_WEIGHTS, outside)
     os.symlink(outside, adapter / ADAPTER_WEIGHTS)
-    refused = refusal(Adapters(WeightsPolicy([str(root)]), max_rank=8, keep=2), adapter)
+    refused = refusal(Adapters(max_rank=8, keep=2), adapter, policy=WeightsPolicy([str(root)]))
     assert refused.code == ErrorCode.WEIGHTS_NOT_ALLOWED
 
 
 def test_each_content_id_gets_one_copy_and_one_id_and_old_copies_go(tmp_path):
-    adapters = Adapters(WeightsPolicy(), max_rank=8, keep=2)
+    adapters = Adapters(max_rank=8, keep=2)
     refs = []
     for i in range(3):
         path = write_adapter(tmp_path / f"step{i}", f"c{i}")
-        refs.append(adapters.prepare(str(path), read_manifest(path), f"c{i}"))
+        refs.append(prepared(adapters, path, f"c{i}"))
         assert Path(refs[-1].path, ADAPTER_WEIGHTS).read_bytes() == (path / ADAPTER_WEIGHTS).read_bytes()
     assert len({ref.lora_id for ref in refs}) == 3
-    again = adapters.prepare(str(tmp_path / "step2"), read_manifest(tmp_path / "step2"), None)
+    again = prepared(adapters, tmp_path / "step2")
     assert again == refs[2]  # held: the same copy and id, nothing read again
     assert not Path(refs[0].path).exists() and Path(refs[1].path).exists()  # keep = 2
     # Republished under the same path with new content: a new copy under a new id.
@@ -116,7 +123,7 @@ def test_each_content_id_gets_one_copy_and_one_id_and_old_copies_go(tmp_path):
         (tmp_path / "step2" / name).unlink()
     (tmp_path / "step2").rmdir()
     path = write_adapter(tmp_path / "step2", "c2-again")
-    newer = adapters.prepare(str(path), read_manifest(path), None)
+    newer = prepared(adapters, path)
     assert newer.lora_id not in {ref.lora_id for ref in refs}
     root = Path(newer.path).parent
     adapters.close()
@@ -145,9 +152,9 @@ def test_the_copies_of_a_worker_that_died_go_with_the_next_workers_first_copy(tm
     left.mkdir()
     alive = tmp_path / "tmp" / f"rollout-adapters-{os.getppid()}-def"  # a live process's: kept
     alive.mkdir()
-    adapters = Adapters(WeightsPolicy(), max_rank=8, keep=2)
+    adapters = Adapters(max_rank=8, keep=2)
     path = write_adapter(tmp_path / "adapter", "c1")
-    ref = adapters.prepare(str(path), read_manifest(path), None)
+    ref = prepared(adapters, path)
     assert not left.exists() and alive.exists()
     assert Path(ref.path).is_relative_to(tmp_path / "tmp")
     adapters.close()

@@ -21,7 +21,8 @@ from delta_chain import Chain, manifest_of, moved  # noqa: E402
 from protocol.messages import ErrorCode  # noqa: E402
 from rollout_svc.delta_load import DeltaLoader  # noqa: E402
 from rollout_svc.errors import RequestFailed  # noqa: E402
-from rollout_svc.weights import WeightsPolicy  # noqa: E402
+from rollout_svc.weight_forms import DeltaWeights, resolve  # noqa: E402
+from rollout_svc.weights import Weights, WeightsPolicy  # noqa: E402
 
 
 @pytest.fixture
@@ -50,8 +51,14 @@ def chain_of(model: Path, root: Path, anchors: set[int], steps: int) -> Chain:
     return chain
 
 
+def loaded(loader: DeltaLoader, path: Path) -> Weights:
+    """What an engine loads for `path`: a delta publish (or anchor) through the loader."""
+    form = resolve(loader.policy, str(path))
+    return loader.weights(form) if isinstance(form, DeltaWeights) else form.weights
+
+
 def served(loader: DeltaLoader, path: Path) -> dict[str, torch.Tensor]:
-    weights = loader.inspect(str(path))
+    weights = loaded(loader, path)
     assert weights.path == str(path) and weights.content_id == manifest_of(path)["content_id"]
     return load_file(str(Path(weights.real_path) / weights.shards[0]))
 
@@ -102,11 +109,11 @@ def test_a_missing_link_is_skipped_by_the_copy_held_and_otherwise_a_clear_error(
 def test_an_anchor_beside_deltas_is_held_and_a_full_directory_elsewhere_is_loaded_as_it_is(model, tmp_path):
     chain = chain_of(model, tmp_path, anchors={1, 3}, steps=4)
     loader = DeltaLoader(WeightsPolicy(), cache_dir=tmp_path / "cache")
-    weights = loader.inspect(str(chain.paths[3]))
+    weights = loaded(loader, chain.paths[3])
     assert weights.real_path != str(chain.paths[3]) and loader.held.content_id == weights.content_id
     assert same_bits(served(loader, chain.paths[4]), full(chain, 4))
     assert loader.last.full is None  # the anchor was not read again
-    assert loader.inspect(str(chain.full_paths[4])).real_path == str(chain.full_paths[4])
+    assert loaded(loader, chain.full_paths[4]).real_path == str(chain.full_paths[4])
 
 
 def test_links_outside_the_allowed_roots_are_refused(model, tmp_path):
@@ -115,7 +122,7 @@ def test_links_outside_the_allowed_roots_are_refused(model, tmp_path):
     (tmp_path / "inside" / "published").symlink_to(chain.publish_dir)
     loader = DeltaLoader(WeightsPolicy([str(tmp_path / "inside")]), cache_dir=tmp_path / "cache")
     with pytest.raises(RequestFailed) as failed:
-        loader.inspect(str(tmp_path / "inside" / "published" / chain.paths[2].name))
+        loaded(loader, tmp_path / "inside" / "published" / chain.paths[2].name)
     assert failed.value.code == ErrorCode.WEIGHTS_NOT_ALLOWED
 
 

@@ -11,10 +11,12 @@ import os
 import pytest
 
 import rollout_svc.engines.vllm as vllm_module
+from protocol.messages import ErrorCode
 from rollout_svc.engines.base import Completion
 from rollout_svc.engines.host import HostDied, HostError
 from rollout_svc.engines.vllm import VllmEngine
 from rollout_svc.engines.vllm_host import configure_environment
+from rollout_svc.errors import RequestFailed
 from rollout_svc.tiny_model import build
 from rollout_svc.weights import WeightsPolicy
 
@@ -363,11 +365,11 @@ def test_a_tokenizer_identical_to_the_live_one_is_not_loaded_again(engine, model
     """Each publish carries the same tokenizer files: checked once, when the engine took them.
     Other files are loaded and checked; a config whose vocabulary is smaller than the known
     tokenizer is still refused."""
-    from rollout_svc.engines import vllm
+    from rollout_svc.engines import tokenizer_check
 
     loads = []
-    real = vllm.tokenizer_size
-    monkeypatch.setattr(vllm, "tokenizer_size", lambda path: loads.append(path) or real(path))
+    real = tokenizer_check.tokenizer_size
+    monkeypatch.setattr(tokenizer_check, "tokenizer_size", lambda path: loads.append(path) or real(path))
     e = engine()
     e.load(str(models["a"]))
     e.load(str(models["b"]))
@@ -558,7 +560,7 @@ def test_the_tokenizers_size_is_transformers_count_without_importing_transformer
 
     from transformers import AutoTokenizer
 
-    from rollout_svc.engines.vllm import tokenizer_size
+    from rollout_svc.engines.tokenizer_check import tokenizer_size
 
     for name in ("a", "retok"):
         assert tokenizer_size(str(models[name])) == len(AutoTokenizer.from_pretrained(models[name])), name
@@ -571,8 +573,8 @@ def test_the_tokenizers_size_is_transformers_count_without_importing_transformer
     (extra / "tokenizer_config.json").write_text(json.dumps(config))
     assert tokenizer_size(str(extra)) == len(AutoTokenizer.from_pretrained(extra)) == 101
     code = (
-        f"import sys; from rollout_svc.engines.vllm import tokenizer_size; tokenizer_size({str(models['a'])!r}); "
-        "print('transformers' in sys.modules)"
+        "import sys; from rollout_svc.engines.tokenizer_check import tokenizer_size; "
+        f"tokenizer_size({str(models['a'])!r}); print('transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
@@ -584,3 +586,108 @@ def test_the_engines_description_says_when_it_runs_without_torch_compile():
     assert describe(graphs | {"compilation_mode": "0"}) == "CUDA graphs FULL_DECODE_ONLY, 51 captured, no torch.compile"
     assert describe(graphs | {"compilation_mode": "3"}) == "CUDA graphs FULL_DECODE_ONLY, 51 captured"
     assert describe({"enforce_eager": True, "compilation_mode": "0"}) == "eager"
+
+
+# -- each form resolved once per call -------------------------------------------------------------
+
+
+@pytest.fixture
+def manifest_reads(monkeypatch) -> list[str]:
+    """The manifest.json files read (protocol.fsio's bounded reads), by resolved path."""
+    import protocol.fsio
+
+    seen: list[str] = []
+    real = protocol.fsio._open_regular
+
+    def recording(path):
+        if os.path.basename(path) == "manifest.json":
+            seen.append(os.path.realpath(path))
+        return real(path)
+
+    monkeypatch.setattr(protocol.fsio, "_open_regular", recording)
+    return seen
+
+
+def publish_adapter(path, base_content_id: str, content_id: str, base_model: str | None = None):
+    """A LoRA adapter directory as the trainer publishes it (PEFT's two files, the manifest last)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from protocol.weights_dir import MANIFEST, Adapter, Manifest, encode_manifest
+
+    path.mkdir()
+    save_file({"lora_A.weight": torch.ones(4, 8)}, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    adapter = Adapter(base_content_id=base_content_id, rank=4, alpha=8.0, target_modules=["q_proj"])
+    manifest = Manifest(step=1, content_id=content_id, base_model=base_model, adapter=adapter)
+    (path / MANIFEST).write_bytes(encode_manifest(manifest))
+    return path
+
+
+def test_an_engine_call_resolves_its_weights_once_and_reads_their_manifest_once_more_after_a_load(
+    engine, models, make_request, manifest_reads, monkeypatch
+):
+    """Resolved once per call; the manifest read again only after a load, to see that the
+    directory was not replaced meanwhile."""
+    from rollout_svc import weight_forms
+
+    resolved = []
+    real = weight_forms.resolve
+    monkeypatch.setattr(vllm_module, "resolve", lambda policy, path: resolved.append(path) or real(policy, path))
+    e = engine()
+    own = os.path.realpath(models["a"] / "manifest.json")
+    e.generate([make_request(weights_dir=str(models["a"]))])
+    assert resolved == [str(models["a"])] and manifest_reads == [own, own]
+    resolved.clear(), manifest_reads.clear()
+    [completion] = e.generate([make_request(weights_dir=str(models["a"]))])
+    assert resolved == [str(models["a"])] and manifest_reads == [own] and completion.reload_bytes == 0
+
+
+def test_an_adapter_is_served_on_the_live_base_from_one_read_of_its_manifest(
+    engine, models, make_request, manifest_reads, tmp_path
+):
+    e = engine(max_lora_rank=8)
+    e.load(str(models["a"]))
+    base_id = e.weights.content_id
+    path = publish_adapter(models["root"] / "adapter-1", base_id, "adapter-1")
+    own = os.path.realpath(path / "manifest.json")
+    manifest_reads.clear()
+    e.generate([make_request(weights_dir=str(path))])
+    # Resolved, then read again after the copy (the copy is of the version checked); the base is live.
+    assert manifest_reads == [own, own]
+    host = FakeHost.started[0]
+    assert host.commands == ["build", "add_adapter", "generate"] and host.calls[-1][2].content_id == "adapter-1"
+    assert (e.weights_dir, e.weights_content_id) == (str(path), "adapter-1")
+    manifest_reads.clear()
+    e.generate([make_request(weights_dir=str(path))])
+    assert manifest_reads == [own]  # its copy held: nothing read again
+    other = publish_adapter(models["root"] / "adapter-b", "another-base", "adapter-b", base_model=str(models["b"]))
+    with pytest.raises(RequestFailed) as refused:
+        e.generate([make_request(weights_dir=str(other))])
+    assert refused.value.code == ErrorCode.ADAPTER_REFUSED and f"serves {models['a']}" in refused.value.message
+
+
+def test_a_fresh_engine_loads_the_base_an_adapter_names_and_a_held_copy_never_skips_the_roots(
+    engine, models, make_request, tmp_path
+):
+    from rollout_svc.weight_forms import resolve
+
+    base_id = resolve(WeightsPolicy(), str(models["a"])).content_id
+    path = publish_adapter(models["root"] / "adapter-2", base_id, "adapter-2", base_model=str(models["a"]))
+    e = engine(max_lora_rank=8)
+    [completion] = e.generate([make_request(weights_dir=str(path))])
+    assert e.weights.path == str(models["a"]) and completion.reload_bytes > 0
+    # The adapter's weights replaced by a link out of the roots: refused, its copy held or not.
+    outside = tmp_path / "elsewhere.safetensors"
+    os.rename(path / "adapter_model.safetensors", outside)
+    os.symlink(outside, path / "adapter_model.safetensors")
+    with pytest.raises(RequestFailed) as refused:
+        e.generate([make_request(weights_dir=str(path))])
+    assert refused.value.code == ErrorCode.WEIGHTS_NOT_ALLOWED
+
+
+def test_an_adapter_is_not_weights_to_load_alone(engine, models):
+    path = publish_adapter(models["root"] / "adapter-3", "base", "adapter-3", base_model="/models/base")
+    with pytest.raises(RequestFailed) as refused:
+        engine().load(str(path))
+    assert refused.value.code == ErrorCode.WEIGHTS_INVALID and "is a LoRA adapter" in refused.value.message

@@ -217,8 +217,12 @@ def weights_content_id(directory: str, shards: list[str] | tuple[str, ...] | Non
     """The directory's content id: the manifest's, else `stat-` and a hash of config.json and of
     each shard's name, size, inode and mtime (`shards`: the safetensors files, found when None)."""
     declared = declared_content_id(directory)
-    if declared is not None:
-        return declared
+    return declared if declared is not None else stat_content_id(directory, shards)
+
+
+def stat_content_id(directory: str, shards: list[str] | tuple[str, ...] | None = None) -> str:
+    """The content id of a directory without a manifest this contract reads: `stat-` and a hash of
+    config.json and of each shard's name, size, inode and mtime."""
     digest = hashlib.sha256()
     config = os.path.realpath(os.path.join(directory, "config.json"))
     digest.update(fsio.read_regular_file(config, CONFIG_MAX_BYTES))  # bounded, never a FIFO

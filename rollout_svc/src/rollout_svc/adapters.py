@@ -3,15 +3,15 @@
 A weights directory is an adapter when its manifest carries `adapter` (protocol.weights_dir:
 PEFT's adapter_model.safetensors and adapter_config.json, the base's content id and the rank).
 
-    adapters = Adapters(policy, max_rank=16, keep=8)
-    manifest = adapter_manifest(weights_dir)                  # None: not an adapter
-    adapter = adapters.prepare(weights_dir, manifest, expected_content_id)   # an AdapterRef for the engine
+    adapters = Adapters(max_rank=16, keep=8)
+    form = weight_forms.resolve(policy, weights_dir)          # an AdapterWeights: its manifest names a base
+    adapter = adapters.prepare(form, expected_content_id)     # an AdapterRef for the engine
     adapters.close()                                          # the copies go
 
 Guarantees:
 - Checked before the engine sees it, the roots first (before its cached copy answers): inside the
-  allowed roots (every file, each a regular one), the rank within the
-  worker's --max-lora-rank, the request's `weights_content_id` the manifest's, the files those the
+  allowed roots (every file, each a regular one: weight_forms.resolve, for each request), the rank
+  within the worker's --max-lora-rank, the request's `weights_content_id` the manifest's, the files those the
   manifest lists with their sizes, the safetensors header whole. A refusal is a RequestFailed
   naming the directory, the problem and what to do (`adapter_refused` for what this worker
   cannot serve, `weights_*` for a directory that is not right).
@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.messages import ErrorCode
-from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, Manifest, decode_manifest
+from protocol.weights_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Manifest
 
 from .errors import RequestFailed, require_content_id
 from .scratch import own_dir
-from .weights import MAX_CONFIG_BYTES, WeightsPolicy, check_safetensors_header, read_weights_file
+from .weight_forms import AdapterWeights
+from .weights import check_safetensors_header, declared_manifest
 
 COPY_TRIES = 3  # copies of a directory replaced under each of them, before its request fails
 _ROOT_PREFIX = "rollout-adapters-"  # + pid + "-" + random: the copies of one worker process
@@ -59,34 +60,20 @@ def _own_root() -> str:
     return str(own_dir(Path(tempfile.gettempdir()), _ROOT_PREFIX))
 
 
-def adapter_manifest(weights_dir: str) -> Manifest | None:
-    """The manifest of `weights_dir` when it is an adapter directory; None otherwise (a model, a
-    slot, a directory without a manifest, or one that is not a regular file or too large: the
-    ordinary weights path inspects and refuses those). Call it once the directory passed
-    WeightsPolicy.check_allowed: it reads the manifest."""
-    path = os.path.join(weights_dir, MANIFEST)
-    try:
-        manifest = decode_manifest(read_weights_file(path, MAX_CONFIG_BYTES), path)
-    except (OSError, ValueError):  # ManifestError is a ValueError
-        return None
-    return manifest if manifest.adapter is not None else None
-
-
 class Adapters:
-    def __init__(self, policy: WeightsPolicy, max_rank: int, keep: int):
-        self.policy = policy
+    def __init__(self, max_rank: int, keep: int):
         self.max_rank = max_rank  # 0: the worker serves no adapters
         self.keep = max(1, keep)
         self.ids = itertools.count(1)
         self.held: OrderedDict[str, AdapterRef] = OrderedDict()  # content id -> copy, least recent first
         self.root: str | None = None
 
-    def prepare(self, weights_dir: str, manifest: Manifest, expected_content_id: str | None) -> AdapterRef:
-        """The engine's reference to the adapter `weights_dir` (whose manifest is `manifest`)."""
+    def prepare(self, form: AdapterWeights, expected_content_id: str | None) -> AdapterRef:
+        """The engine's reference to the adapter `form` (resolved by rollout_svc.weight_forms for
+        this request, so its directory passed the allowed-root check just now: a copy made for a
+        directory once allowed answers only after that)."""
+        weights_dir, real, manifest = form.path, form.real_path, form.manifest
         adapter = manifest.adapter
-        # Before anything answers, the cache included: a copy made for a directory once allowed
-        # says nothing about what this request's path resolves to now.
-        real = self.policy.check_allowed(weights_dir)
         if not self.max_rank:
             raise RequestFailed(
                 ErrorCode.ADAPTER_REFUSED,
@@ -107,7 +94,9 @@ class Adapters:
             return found
         for _ in range(COPY_TRIES):
             copy = self._copy(real, weights_dir, manifest)
-            now = adapter_manifest(real)
+            now = declared_manifest(real)  # still the version checked: else republished or pruned meanwhile
+            if now is not None and now.adapter is None:
+                now = None
             if now is not None and now.content_id == manifest.content_id:
                 return self._hold(AdapterRef(next(self.ids), manifest.content_id, copy))
             shutil.rmtree(copy, ignore_errors=True)

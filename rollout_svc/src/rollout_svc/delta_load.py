@@ -17,9 +17,9 @@ Guarantees:
 - A missing link (a delta pruned or never written) is skipped by starting from a newer full
   directory on the chain; when there is none and the copy held is not on the chain either, the
   request fails with weights_not_found naming the version the chain breaks at.
-- Every directory read (the named one, each link, the anchor) passes the worker's policy
-  (allowed roots) first; a link whose content id changes while it is read (republished) is
-  read again, a few times, then the request fails with weights_invalid.
+- Every directory read (the named one, through rollout_svc.weight_forms.resolve; each link; the
+  anchor) passes the worker's policy (allowed roots) first; a link whose content id changes while
+  it is read (republished) is read again, a few times, then the request fails with weights_invalid.
 - The cache holds the rebuilt weights of one version at a time; a loader's own cache
   (`rollout-deltas-<pid>-...` in /dev/shm, or the temporary directory when /dev/shm lacks room)
   is removed when the loader goes, and the next loader removes those of processes that are gone.
@@ -48,14 +48,13 @@ from protocol.weights_dir import (
     COPIED_FILES,
     MANIFEST,
     Manifest,
-    ManifestError,
     encode_manifest,
     read_manifest,
-    step_of,
 )
 
 from .errors import RequestFailed
 from .scratch import own_dir
+from .weight_forms import DeltaWeights
 from .weights import Weights, WeightsPolicy
 
 log = logging.getLogger(__name__)
@@ -93,27 +92,16 @@ class DeltaLoader:
         self.held: _Held | None = None
         self.last: Rebuild | None = None
 
-    def inspect(self, weights_dir: str) -> Weights:
-        """`weights_dir` as Weights an engine loads: policy.inspect's for a full directory, the
-        rebuilt directory for a delta publish (see the module docstring). Raises RequestFailed."""
-        real = self.policy.check_allowed(weights_dir)
-        if weights_chain.is_delta_dir(real):
-            self.policy.check_files_allowed(real, weights_dir)
-        elif _anchor_of_a_chain(real):
-            self.policy.inspect(weights_dir)  # checked as any full directory, then held like a rebuild
-        else:
-            return self.policy.inspect(weights_dir)
-        try:
-            target = read_manifest(real)
-        except (OSError, ManifestError) as exc:  # removed or replaced since the look above
-            raise RequestFailed(
-                ErrorCode.WEIGHTS_NOT_FOUND, f"weights_dir {weights_dir}: its manifest cannot be read ({exc})"
-            ) from None
+    def weights(self, form: DeltaWeights) -> Weights:
+        """The Weights an engine loads for the delta publish or anchor `form` (resolved by
+        rollout_svc.weight_forms, so its directory passed the policy and its manifest was read):
+        the rebuilt directory (see the module docstring). Raises RequestFailed."""
+        target = form.manifest
         rebuilt = self.cache_dir / _safe_name(target.content_id)
         if self.held is None or self.held.content_id != target.content_id or not (rebuilt / MANIFEST).is_file():
-            self._rebuild(weights_dir, real, target)
+            self._rebuild(form.path, form.real_path, target)
         weights = WeightsPolicy().inspect(str(rebuilt))  # our own files: no roots to check
-        return dataclasses.replace(weights, path=weights_dir)
+        return dataclasses.replace(weights, path=form.path)
 
     @property
     def cache_dir(self) -> Path:
@@ -266,16 +254,6 @@ class DeltaLoader:
                 f"the rebuilt weights of {real} cannot be written to {self.cache_dir} ({exc}); free space there",
             ) from None
         os.rename(staging, dest)
-
-
-def _anchor_of_a_chain(real: str) -> bool:
-    """Whether the full directory `real` is a step directory beside delta publishes: the deltas
-    after it will apply to it, so the loader reads it once into the copy it holds (and the engine
-    loads the loader's local copy) rather than reading it again, over the network, at the first
-    delta."""
-    if step_of(os.path.basename(real)) is None:
-        return False
-    return any(v.delta_base is not None for v in weights_chain.versions(os.path.dirname(real)).values())
 
 
 class _Moved(Exception):

@@ -4,7 +4,9 @@ A weights directory is an HF-format model: config.json, one or more .safetensors
 model.safetensors.index.json when sharded) and tokenizer files. Only safetensors are loaded:
 pickle-based formats (.bin, .pt) are refused, never opened.
 
-Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data.
+Content ids are protocol.weights_dir's: the manifest's, or a hash of the files' stat data. The
+manifest is read by the caller once (`declared_manifest`; rollout_svc.weight_forms decides a
+directory's form from it) and handed to `weights_of`, which reads it no more.
 A weight slot (protocol.weight_slots: a flat tensors file and its manifest, with the config and
 tokenizer beside them) is inspected the same way and carries its manifest (`Weights.slot`);
 slot_load.py loads it.
@@ -27,7 +29,7 @@ from pathlib import Path
 from protocol.fsio import read_regular_file
 from protocol.messages import ErrorCode
 from protocol.weight_slots import SlotError, SlotManifest, is_slot, read_slot_manifest
-from protocol.weights_dir import weights_content_id
+from protocol.weights_dir import Manifest, ManifestError, read_manifest, stat_content_id
 
 from .errors import RequestFailed
 
@@ -89,6 +91,23 @@ class WeightsPolicy:
         """The resolved path of `weights_dir`, once it and (for a directory) every entry in it are
         inside the roots and every file in it is a regular one (check_files_allowed): call it
         before anything reads a file of the directory, its manifest included."""
+        real = self._check_root(weights_dir)
+        if os.path.isdir(real):
+            self.check_files_allowed(real, weights_dir)
+        return real
+
+    def check_allowed_dir(self, weights_dir: str) -> str:
+        """check_allowed for what must be a directory: WEIGHTS_NOT_FOUND when it is not one."""
+        real = self._check_root(weights_dir)
+        if not os.path.isdir(real):
+            raise RequestFailed(
+                ErrorCode.WEIGHTS_NOT_FOUND,
+                f"weights_dir {weights_dir} does not exist or is not a directory; name a saved model directory",
+            )
+        self.check_files_allowed(real, weights_dir)
+        return real
+
+    def _check_root(self, weights_dir: str) -> str:
         real = os.path.realpath(weights_dir)
         if self.allowed_roots and not self._inside(real):
             raise RequestFailed(
@@ -97,8 +116,6 @@ class WeightsPolicy:
                 f"{', '.join(self.allowed_roots)}; move the checkpoint under one of them or start "
                 "the worker with another --allowed-root",
             )
-        if os.path.isdir(real):
-            self.check_files_allowed(real, weights_dir)
         return real
 
     def check_files_allowed(self, real: str, weights_dir: str) -> None:
@@ -122,20 +139,31 @@ class WeightsPolicy:
 
     def inspect(self, weights_dir: str) -> Weights:
         """Validate a weights directory without loading tensors. Raises RequestFailed."""
-        real = self.check_allowed(weights_dir)
-        if not os.path.isdir(real):
-            raise RequestFailed(
-                ErrorCode.WEIGHTS_NOT_FOUND,
-                f"weights_dir {weights_dir} does not exist or is not a directory; name a saved model directory",
-            )
-        self.check_files_allowed(real, weights_dir)
-        config = _read_config(real, weights_dir)
-        if is_slot(real):
-            manifest = _slot_manifest(real, weights_dir)
-            return Weights(weights_dir, real, manifest.content_id, config, (), manifest.bytes, manifest)
-        shards = _shards(real, weights_dir)
-        size_bytes = sum(check_safetensors_header(Path(real) / shard, weights_dir) for shard in shards)
-        return Weights(weights_dir, real, weights_content_id(real, shards), config, tuple(shards), size_bytes)
+        real = self.check_allowed_dir(weights_dir)
+        return weights_of(real, weights_dir, declared_manifest(real))
+
+
+def declared_manifest(real: str) -> Manifest | None:
+    """The manifest of the checked directory `real` (bounded, never a FIFO: protocol's read_manifest),
+    None when it has none this contract reads: its content id is then the files' stats."""
+    try:
+        return read_manifest(real)
+    except (OSError, ManifestError):
+        return None
+
+
+def weights_of(real: str, shown: str, manifest: Manifest | None) -> Weights:
+    """The weights directory `real` (checked by WeightsPolicy.check_allowed_dir; `manifest` its
+    declared_manifest, read once by the caller) validated without loading tensors, as `shown`.
+    Raises RequestFailed."""
+    config = _read_config(real, shown)
+    if is_slot(real):
+        slot = _slot_manifest(real, shown)
+        return Weights(shown, real, slot.content_id, config, (), slot.bytes, slot)
+    shards = _shards(real, shown)
+    size_bytes = sum(check_safetensors_header(Path(real) / shard, shown) for shard in shards)
+    content_id = manifest.content_id if manifest is not None else stat_content_id(real, shards)
+    return Weights(shown, real, content_id, config, tuple(shards), size_bytes)
 
 
 def _slot_manifest(real: str, shown: str) -> SlotManifest:

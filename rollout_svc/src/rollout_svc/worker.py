@@ -34,22 +34,23 @@ counters and its Tally only; the metrics textfile, when asked for, renders those
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass, field
 
 from protocol import exit_codes
 from protocol.fsio import LinksUnsupported
-from protocol.messages import ErrorCode, MessageError, Request, Result, Timings, WorkerState
-from protocol.spool import Claim, ClaimLost, Spool, id_from_name, split_claimed_name
+from protocol.messages import ErrorCode, MessageError, Result, WorkerState
+from protocol.spool import Claim, ClaimLost, Spool, id_from_name
 from protocol.watch import Waker
 
-from .engines import Completion, Engine
-from .errors import TRANSIENT, RequestFailed, is_full_disk, retrying
+from .claims import Claims
+from .engines import Engine
+from .errors import RequestFailed, is_full_disk, retrying
 from .metrics import Metrics
 from .notify import Notifier
 from .request_limits import RequestLimits
+from .results import Answers, Job
 from .scheduling import Limits, Scheduler, weights_key
 from .skipped import Skipped
 from .status import Heartbeat, Tally
@@ -57,9 +58,7 @@ from .status import Heartbeat, Tally
 log = logging.getLogger(__name__)
 
 EXIT_OK = exit_codes.OK
-EXIT_HEARTBEAT_LOST = exit_codes.INTERNAL_ERROR  # systemd restarts it; others serve its claims
 EXIT_PRELOAD_FAILED = exit_codes.USAGE
-EXIT_CANNOT_WRITE = exit_codes.CANNOT_WRITE  # a full disk, or a spool that cannot be read: claims given back
 
 
 @dataclass
@@ -79,18 +78,6 @@ class WorkerConfig:
     sleep_when_idle_s: float | None = None  # put the engine to sleep after this long without requests; None: never
     skip_s: float = 10.0  # a request file that failed is tried again after this long (doubling)
     skip_max_s: float = 600.0  # ... up to this long
-
-
-@dataclass
-class _Job:
-    claim: Claim
-    request: Request
-    claimed_at: float
-
-    @property
-    def queued_s(self) -> float:
-        """From the request file's write to our claim."""
-        return max(0.0, self.claimed_at - self.claim.arrived_at)
 
 
 class _StopNow(BaseException):
@@ -126,6 +113,8 @@ class Worker:
             interval_s=config.heartbeat_s,
             on_beat=self.notifier.watchdog,
         )
+        self.claims = Claims(spool, config.worker_id, self.heartbeat, self.skipped)
+        self.answers = Answers(engine, config.worker_id, config.request_limits, self.heartbeat)
         engine.set_state_listener(self._engine_state)
         self._stopping = False
         self._in_engine = False
@@ -161,7 +150,7 @@ class Worker:
         signal.signal(signal.SIGALRM, self._grace_over)
         # Claims under our id are from an earlier life of this worker (same id, e.g. after a
         # crash and a systemd restart): nobody is serving them, so give them back now.
-        self._recover_own_claims()
+        self.claims.recover_own()
         self.heartbeat.start()
         try:
             if self.config.preload and not self._preload(self.config.preload):
@@ -193,7 +182,7 @@ class Worker:
         sleep_tried = False  # one sleep per idle spell: an engine with nothing to free stays awake
         while not self._stopping:
             if not self.heartbeat.alive():
-                return self._heartbeat_lost([])
+                return self.claims.heartbeat_lost([])
             now = time.monotonic()
             try:
                 if now >= next_recovery:
@@ -203,7 +192,7 @@ class Worker:
                         log.warning("gave back %d claims of dead workers: %s", len(recovered), recovered[:5])
                 pending = retrying(self.spool.pending, f"listing {self.spool.requests}")
             except OSError as exc:
-                return self._cannot_write(exc, [])
+                return self.claims.cannot_write(exc, [])
             self.tally.queue_depth = len(pending)
             self._write_metrics()
             entries = self.skipped.servable(pending)
@@ -227,15 +216,6 @@ class Worker:
         log.info("stop requested; exiting")
         return EXIT_OK
 
-    def _recover_own_claims(self) -> None:
-        for entry in self.spool.entries("claimed"):
-            original, worker_id = split_claimed_name(entry.name)
-            if worker_id == self.config.worker_id:
-                try:
-                    self.spool.release(Claim(original, entry.path, worker_id, entry.mtime))
-                except OSError as exc:  # one file: the others still go back, and the worker serves
-                    log.error("cannot give back claimed/%s of an earlier life: %s", entry.name, exc)
-
     # -- one batch -------------------------------------------------------------------------------
 
     def _serve_batch(self, entries) -> int | None:
@@ -243,72 +223,17 @@ class Worker:
         try:
             return self._serve_claims(entries, claims)
         except OSError as exc:  # a full disk (one file's failure is handled where it happens)
-            return self._cannot_write(exc, claims)
-
-    def _cannot_write(self, exc: OSError, claims: list[Claim]) -> int:
-        """A spool write failed for a full disk (ENOSPC, EDQUOT, EFBIG), or the spool cannot be
-        read. Claims whose result is published are archived, the others go back to requests/ for
-        a worker that can write, and the worker exits: serving on would only repeat the failure."""
-        given_back = self._settle(claims)
-        if is_full_disk(exc):
-            what = "cannot write to the spool %s: %s; gave back %d requests. Free space on its filesystem, then restart"
-        else:
-            what = "cannot use the spool %s: %s; gave back %d requests. Check its filesystem, then restart"
-        log.error(what, self.spool.root, exc, given_back)
-        return EXIT_CANNOT_WRITE
-
-    def _settle(self, claims: list[Claim]) -> int:
-        """Archive the claims among `claims` whose result is published and give the others back
-        to requests/; returns how many were given back. A claim that cannot be moved stays in
-        claimed/: this worker's next life gives it back, or others once its lease runs out."""
-        given_back = 0
-        for claim in claims:
-            try:
-                if not self.spool.holds(claim):
-                    continue
-                published = self.spool.read_result(claim.request_id) if claim.request_id is not None else None
-                if published is not None:
-                    self.spool.finish(claim, rejected=not published.ok and published.error.code.rejects_input)
-                else:
-                    self.spool.release(claim)
-                    given_back += 1
-            except OSError as exc:
-                log.error("claim %s cannot be archived or given back: %s", claim.path, exc)
-        self.heartbeat.count(requests_abandoned=given_back)
-        return given_back
-
-    def _set_aside(self, claims: list[Claim], exc: OSError, what: str) -> None:
-        """One file's failure (not a full disk): settle `claims` and skip those given back for a
-        while, so that the worker serves the others and does not try them again at every scan."""
-        self._settle(claims)
-        for claim in claims:
-            path = self.spool.requests / claim.name
-            if os.path.lexists(path):
-                self.skipped.skip(claim.name, path, exc, f"{what} requests/{claim.name}")
-
-    def _heartbeat_lost(self, claims: list[Claim]) -> int:
-        """The status file could not be written for half a lease. On a full disk the claims go
-        back at once and the worker exits CANNOT_WRITE; otherwise it exits INTERNAL_ERROR
-        without touching them (others serve them once the lease runs out)."""
-        failure = self.heartbeat.failure
-        if failure is not None and is_full_disk(failure):
-            return self._cannot_write(failure, claims)
-        if claims:
-            log.error("heartbeat lost before publishing %d results; abandoning them", len(claims))
-            self.heartbeat.count(requests_abandoned=len(claims))
-        else:
-            log.error("heartbeat lost; exiting without publishing so others can take over")
-        return EXIT_HEARTBEAT_LOST
+            return self.claims.cannot_write(exc, claims)
 
     def _serve_claims(self, entries, claims: list[Claim]) -> int | None:
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         if entries:
             # Busy from the first claim on: a peer that reads "idle" leaves us parts of a call
             # (scheduling's fan-out rule) that we would then serve only after this batch.
             self.heartbeat.set_state("generating", id_from_name(entries[0].name))
         for entry in entries:
             try:
-                claim = self._claim(entry)
+                claim = self.claims.claim(entry)
             except OSError as exc:
                 if is_full_disk(exc):
                     raise
@@ -322,12 +247,12 @@ class Worker:
             except OSError as exc:
                 if is_full_disk(exc) or isinstance(exc, LinksUnsupported):
                     raise
-                self._set_aside([claim], exc, "cannot read or answer")
+                self.claims.set_aside([claim], exc, "cannot read or answer")
                 continue
             if job is not None:
                 jobs.append(job)
         self.scheduler.served(job.request.call_id for job in jobs)
-        groups: dict[tuple, list[_Job]] = {}
+        groups: dict[tuple, list[Job]] = {}
         for job in jobs:
             groups.setdefault(weights_key(job.request), []).append(job)
         pending = list(groups.values())
@@ -342,37 +267,17 @@ class Worker:
                 self.heartbeat.count(requests_abandoned=sum(map(len, [group, *pending])))
                 return EXIT_OK
             if not self.heartbeat.alive():
-                return self._heartbeat_lost([job.claim for g in [group, *pending] for job in g])
+                return self.claims.heartbeat_lost([job.claim for g in [group, *pending] for job in g])
             try:
                 self._publish(group, results)
             except OSError as exc:
                 if is_full_disk(exc) or isinstance(exc, LinksUnsupported):  # the spool's failure, not one file's
                     raise
-                self._set_aside([job.claim for job in group], exc, "cannot publish the result of")
+                self.claims.set_aside([job.claim for job in group], exc, "cannot publish the result of")
         self._engine_state(self._resting())
         return None
 
-    def _claim(self, entry) -> Claim | None:
-        """spool.claim, tried again on ESTALE or EIO. A retried rename may find the file gone
-        because its first try moved it (over NFS the reply can be lost): then the claim under
-        our id is ours."""
-        transient: list[OSError] = []
-
-        def attempt() -> Claim | None:
-            try:
-                return self.spool.claim(entry, self.config.worker_id)
-            except OSError as exc:
-                if exc.errno in TRANSIENT:
-                    transient.append(exc)
-                raise
-
-        claim = retrying(attempt, f"claiming {entry.path}")
-        target = self.spool.claim_path(entry.name, self.config.worker_id)
-        if claim is None and transient and os.path.lexists(target):
-            return Claim(entry.name, target, self.config.worker_id, entry.mtime)
-        return claim
-
-    def _accept(self, claim: Claim) -> _Job | None:
+    def _accept(self, claim: Claim) -> Job | None:
         """Validate a fresh claim. Bad input is answered and archived here; None means done."""
         claimed_at = time.time()
         try:
@@ -391,22 +296,22 @@ class Worker:
             # Served before: a duplicate delivery after a lease recovery. First result stands.
             self.spool.finish(claim)
             return None
-        job = _Job(claim, request, claimed_at)
+        job = Job(claim, request, claimed_at)
         if request.deadline is not None and claimed_at > request.deadline:
             late = claimed_at - request.deadline
             message = (
                 f"deadline passed {late:.1f} s before a worker could start it; "
                 "resubmit with a later deadline or add workers"
             )
-            self._publish([job], [self._failure(job, ErrorCode.DEADLINE_EXPIRED, message)])
+            self._publish([job], [self.answers.failure(job, ErrorCode.DEADLINE_EXPIRED, message)])
             return None
         too_large = self.config.request_limits.refusal(request)
         if too_large is not None:
-            self._publish([job], [self._failure(job, ErrorCode.REQUEST_TOO_LARGE, too_large)])
+            self._publish([job], [self.answers.failure(job, ErrorCode.REQUEST_TOO_LARGE, too_large)])
             return None
         return job
 
-    def _generate(self, group: list[_Job]) -> list[Result]:
+    def _generate(self, group: list[Job]) -> list[Result]:
         """Serve a group in one engine call. If the call fails, serve each request alone, so
         that one bad request does not fail the others."""
         self.heartbeat.set_state("generating", group[0].request.request_id)
@@ -420,7 +325,7 @@ class Worker:
             completions = self.engine.generate([job.request for job in group])
         except Exception as exc:
             if len(group) == 1:
-                return [self._error_result(group[0], exc)]
+                return [self.answers.error_result(group[0], exc)]
             return [r for job in group for r in self._generate([job])]
         finally:
             self._in_engine = False
@@ -428,10 +333,10 @@ class Worker:
             self._count_wake(was_asleep)
         generate_s = time.monotonic() - started
         try:
-            results = [self._success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
+            results = [self.answers.success(job, c, generate_s) for job, c in zip(group, completions, strict=True)]
         except Exception as exc:  # an answer that cannot be built fails its request alone, not the batch
             if len(group) == 1:
-                return [self._error_result(group[0], exc)]
+                return [self.answers.error_result(group[0], exc)]
             return [r for job in group for r in self._generate([job])]
         tokens = sum(len(t) for r in results for p in r.token_ids for t in p)
         reload_s = completions[0].reload_s if completions else 0.0  # one load per call, before generating
@@ -444,9 +349,9 @@ class Worker:
             self.tally.reloading_seconds += reload_s
         return results
 
-    def _publish(self, group: list[_Job], results: list[Result]) -> None:
+    def _publish(self, group: list[Job], results: list[Result]) -> None:
         held = [
-            (job, self._publishable(job, result))
+            (job, self.answers.publishable(job, result))
             for job, result in zip(group, results, strict=True)
             if self.spool.holds(job.claim)
         ]
@@ -534,53 +439,3 @@ class Worker:
         weights = s.weights_dir or "no weights loaded"
         doing = f" {s.current_request}" if s.current_request else ""
         return f"{s.state}{doing}; {weights}; ok {s.counters.requests_ok}, failed {s.counters.requests_failed}"
-
-    # -- results ---------------------------------------------------------------------------------
-
-    def _common(self, job: _Job) -> dict:
-        return dict(
-            request_id=job.request.request_id,
-            weights_dir=self.engine.weights_dir or job.request.weights_dir,
-            weights_content_id=self.engine.weights_content_id or "",
-            worker_id=self.config.worker_id,
-            engine=self.engine.name,
-            finished_at=time.time(),
-        )
-
-    def _success(self, job: _Job, c: Completion, generate_s: float) -> Result:
-        return Result(
-            ok=True,
-            texts=c.texts,
-            token_ids=c.token_ids,
-            logprobs=c.logprobs if job.request.logprobs else [],
-            finish_reasons=c.finish_reasons,
-            prompt_token_ids=c.prompt_token_ids,
-            timings=Timings(
-                queued_s=job.queued_s,
-                reload_s=c.reload_s,
-                reload_bytes=c.reload_bytes,
-                generate_s=generate_s - c.reload_s,
-            ),
-            **self._common(job),
-        )
-
-    def _failure(self, job: _Job, code: ErrorCode, message: str) -> Result:
-        self.heartbeat.update(last_error=f"{job.request.request_id}: {message}")
-        timings = Timings(queued_s=job.queued_s)
-        return Result.failure(code=code, message=message, timings=timings, **self._common(job))
-
-    def _publishable(self, job: _Job, result: Result) -> Result:
-        """`result`, or its request's error result when it cannot be encoded or is too large
-        (request_limits): one request's answer never fails the publishing of its batch."""
-        problem = self.config.request_limits.unpublishable(result)
-        if problem is None:
-            return result
-        log.error("result of %s not published as it is: %s", job.request.request_id, problem[1])
-        return self._failure(job, *problem)
-
-    def _error_result(self, job: _Job, exc: Exception) -> Result:
-        if isinstance(exc, RequestFailed):
-            return self._failure(job, exc.code, exc.message)
-        log.exception("engine failed on %s", job.request.request_id)
-        message = f"{type(exc).__name__}: {exc} (the log of worker {self.config.worker_id} has the traceback)"
-        return self._failure(job, ErrorCode.ENGINE_ERROR, message)

@@ -1,6 +1,9 @@
 """The vLLM engine: one `LLM` in a process of its own, its weights reloaded in place when a request
 names others, asleep when the worker asks, rebuilt in a new process when nothing else works.
 
+Each call resolves its `weights_dir` once (rollout_svc.weight_forms: full weights, a slot, a delta
+publish, a LoRA adapter) and loads that form; a directory replaced under a load is resolved again.
+
 A LoRA adapter (rollout_svc.adapters; the engine started with --max-lora-rank) is served on the
 live weights when they are its base (by content id): checked and copied once, added to vLLM's
 adapter cache, named in the call (vLLM's LoRARequest); the base is never reloaded for it.
@@ -29,8 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -39,22 +40,17 @@ from typing import NamedTuple
 
 from protocol.messages import ErrorCode, Request
 from protocol.weight_slots import SlotError, read_slot_manifest
-from protocol.weights_dir import ADAPTER_WEIGHTS, TOKENIZER_FILES, weights_content_id
+from protocol.weights_dir import ADAPTER_WEIGHTS, weights_content_id
 
-from ..adapters import AdapterRef, Adapters, adapter_manifest
+from ..adapters import AdapterRef, Adapters
 from ..delta_load import DeltaLoader
 from ..errors import RequestFailed, require_content_id
 from ..slot_load import SlotChanged, slot_corruption, slot_lease
-from ..weights import (
-    MAX_CONFIG_BYTES,
-    MAX_TOKENIZER_BYTES,
-    Weights,
-    WeightsPolicy,
-    check_tokenizer_fits,
-    read_weights_file,
-)
+from ..weight_forms import AdapterWeights, DeltaWeights, WeightForm, resolve
+from ..weights import Weights, WeightsPolicy
 from .base import Completion, StateListener, ignore_state
 from .host import EngineHost, HostDied, HostError
+from .tokenizer_check import tokenizer_id as tokenizer_of
 from .vllm_host import EngineSpec, describe
 
 log = logging.getLogger(__name__)
@@ -134,7 +130,7 @@ class VllmEngine:
                 f"--max-loras {max_loras} and --max-cpu-loras {max_cpu_loras}: need 1 <= max-loras <= max-cpu-loras "
                 "(adapters in one engine call, adapters kept in host memory)"
             )
-        self.adapters = Adapters(policy, max_lora_rank, keep=max_cpu_loras)
+        self.adapters = Adapters(max_lora_rank, keep=max_cpu_loras)
         self.adapter: AdapterRef | None = None  # the adapter of the last call, on the live weights
         self.adapter_dir: str | None = None  # its directory, as the request named it
         self.spec = EngineSpec(
@@ -185,17 +181,23 @@ class VllmEngine:
         return self.load(weights_dir, expected_content_id).seconds
 
     def load(self, weights_dir: str, expected_content_id: str | None = None) -> Load:
-        """Make `weights_dir` the live weights: in place when it can, else in a new engine.
+        """Make `weights_dir` (full weights, a slot or a delta publish) the live weights."""
+        return self._load(resolve(self.policy, weights_dir), expected_content_id)
+
+    def _load(self, form: WeightForm, expected_content_id: str | None) -> Load:
+        """Make the weights `form` live: in place when it can, else in a new engine.
 
         A directory replaced while its files were being read (a trainer republishing a step) can
         leave the engine with another version than the content id read first, or fail the reload's
         check of the engine against the files: the content id is read again after the load, or
-        after a failure, and a change means loading again (in place: the engine is sound, the
-        files moved), up to LOAD_TRIES times."""
+        after a failure, and a change means resolving and loading again (in place: the engine is
+        sound, the files moved), up to LOAD_TRIES times."""
         seconds, read = 0.0, 0
-        for _ in range(LOAD_TRIES):
+        for attempt in range(LOAD_TRIES):
+            if attempt:
+                form = resolve(self.policy, form.path)  # what the directory holds now
             try:
-                load = self._load_once(weights_dir, expected_content_id)
+                load = self._load_once(form, expected_content_id)
             except _Replaced as replaced:
                 seconds, read = seconds + replaced.load.seconds, read + replaced.load.bytes
             else:
@@ -208,10 +210,10 @@ class VllmEngine:
                 ):
                     return Load(seconds, read)
                 self._holding_unknown_version()
-            log.warning("%s was replaced while it was being loaded; loading it again", weights_dir)
+            log.warning("%s was replaced while it was being loaded; loading it again", form.path)
         raise RequestFailed(
             ErrorCode.WEIGHTS_INVALID,
-            f"weights_dir {weights_dir} was replaced each of the {LOAD_TRIES} times it was loaded; "
+            f"weights_dir {form.path} was replaced each of the {LOAD_TRIES} times it was loaded; "
             "publish each version into a new directory, or replace it less often than a load takes",
         )
 
@@ -230,9 +232,9 @@ class VllmEngine:
         except (OSError, SlotError):  # removed meanwhile: the next inspect says so
             return None
 
-    def _load_once(self, weights_dir: str, expected_content_id: str | None) -> Load:
-        weights = self.deltas.inspect(weights_dir)  # a delta publish: the weights rebuilt from its chain
-        require_content_id(weights_dir, weights.content_id, expected_content_id)
+    def _load_once(self, form: WeightForm, expected_content_id: str | None) -> Load:
+        weights = self._weights_of(form)
+        require_content_id(form.path, weights.content_id, expected_content_id)
         live = self.weights if self.host is not None and self.host.alive() else None  # a dead engine holds nothing
         unchanged = live is not None and (weights.real_path, weights.content_id) == (live.real_path, live.content_id)
         if unchanged and not self.asleep:
@@ -240,7 +242,8 @@ class VllmEngine:
         if unchanged:
             tokenizer_id, tokenizer_size = self.tokenizer_id, self.tokenizer_size
         else:
-            tokenizer_id, tokenizer_size = _tokenizer_id(weights, known=(self.tokenizer_id, self.tokenizer_size))
+            known = (self.tokenizer_id, self.tokenizer_size)  # files equal to these are not loaded again
+            tokenizer_id, tokenizer_size = tokenizer_of(weights, known)
         started = time.monotonic()
         read = weights.size_bytes
         same_shape = (
@@ -276,11 +279,24 @@ class VllmEngine:
                 if not same_shape:
                     raise
                 # A failed reload or wake must not leave a broken engine behind.
-                log.warning("changing to %s in place failed (%s); building a new engine", weights_dir, exc)
+                log.warning("changing to %s in place failed (%s); building a new engine", form.path, exc)
                 read = weights.size_bytes
                 self._build(weights)
         self.weights, self.tokenizer_id, self.tokenizer_size = weights, tokenizer_id, tokenizer_size
         return Load(time.monotonic() - started, read)
+
+    def _weights_of(self, form: WeightForm) -> Weights:
+        """What the engine process loads for `form`: a delta publish rebuilt from its chain."""
+        if isinstance(form, DeltaWeights):
+            return self.deltas.weights(form)
+        if isinstance(form, AdapterWeights):
+            raise RequestFailed(
+                ErrorCode.WEIGHTS_INVALID,
+                f"weights_dir {form.path} is a LoRA adapter of the base model with content id "
+                f"{form.manifest.adapter.base_content_id}, not weights to load alone; load its base model "
+                f"({form.manifest.base_model or 'path not recorded'}) and name the adapter in requests",
+            )
+        return form.weights
 
     def _reload_in_place(self, weights: Weights) -> None:
         self._on_state("reloading")
@@ -334,13 +350,12 @@ class VllmEngine:
         """Serve requests that share weights_dir in one engine call: full weights made live, or
         a LoRA adapter on the live weights it names as its base."""
         first = requests[0]
-        self.policy.check_allowed(first.weights_dir)  # before any read of it, its manifest's included
-        manifest = adapter_manifest(first.weights_dir)
-        if manifest is None:
-            self.adapter = None
-            load = self.load(first.weights_dir, first.weights_content_id)
+        form = resolve(self.policy, first.weights_dir)
+        if isinstance(form, AdapterWeights):
+            load = self._load_adapter(form, first.weights_content_id)
         else:
-            load = self._load_adapter(first, manifest)
+            self.adapter = None
+            load = self._load(form, first.weights_content_id)
         self._on_state("generating")
         try:
             completions = self.host.call("generate", requests, self.adapter)
@@ -349,41 +364,44 @@ class VllmEngine:
             raise
         return [dataclasses.replace(c, reload_s=load.seconds, reload_bytes=load.bytes) for c in completions]
 
-    def _load_adapter(self, request: Request, manifest) -> Load:
-        """Make the adapter `request` names servable: its base live (loaded from the manifest's
-        base_model when the engine holds nothing), the adapter checked, copied and in the engine's
-        cache. Returns what that cost; an adapter of another base than the live one is refused."""
+    def _load_adapter(self, form: AdapterWeights, expected_content_id: str | None) -> Load:
+        """Make the adapter `form` servable: its base live (loaded from the manifest's base_model
+        when the engine holds nothing), the adapter checked, copied and in the engine's cache.
+        Returns what that cost; an adapter of another base than the live one is refused."""
         self.adapter = None
-        wanted = manifest.adapter.base_content_id
+        wanted = form.manifest.adapter.base_content_id
+        base_model = form.manifest.base_model
         live = self.weights if self.host is not None and self.host.alive() else None
-        adapter = self.adapters.prepare(request.weights_dir, manifest, request.weights_content_id)
-        if live is None and manifest.base_model and self._content_id_of(manifest.base_model) == wanted:
-            load = self.load(manifest.base_model, wanted)  # a fresh worker: the base the adapter names
-        elif live is not None and live.content_id == wanted:
-            load = self.load(live.path, wanted)  # ALREADY_LIVE, or a wake
+        adapter = self.adapters.prepare(form, expected_content_id)
+        if live is not None and live.content_id == wanted:
+            # The engine holds the base by its content id: nothing to read, unless asleep.
+            load = self.load(live.path, wanted) if self.asleep else ALREADY_LIVE
         else:
-            serving = f"serves {live.path} (content id {live.content_id})" if live else "holds no model"
-            raise RequestFailed(
-                ErrorCode.ADAPTER_REFUSED,
-                f"weights_dir {request.weights_dir} is a LoRA adapter of the base model with content id {wanted} "
-                f"({manifest.base_model or 'path not recorded'}); this worker {serving}. Send it to a worker "
-                "serving its base, or name that base model in a request first",
-            )
+            base = self._base_form(base_model) if live is None and base_model else None
+            if base is None or base.content_id != wanted:
+                serving = f"serves {live.path} (content id {live.content_id})" if live else "holds no model"
+                raise RequestFailed(
+                    ErrorCode.ADAPTER_REFUSED,
+                    f"weights_dir {form.path} is a LoRA adapter of the base model with content id {wanted} "
+                    f"({base_model or 'path not recorded'}); this worker {serving}. Send it to a worker "
+                    "serving its base, or name that base model in a request first",
+                )
+            load = self._load(base, wanted)  # a fresh worker: the base the adapter names
         started = time.monotonic()
         self._on_state("reloading")
         added = self.host.call("add_adapter", adapter)
-        self.adapter, self.adapter_dir = adapter, request.weights_dir
+        self.adapter, self.adapter_dir = adapter, form.path
         read = os.path.getsize(os.path.join(adapter.path, ADAPTER_WEIGHTS)) if added else 0
         return Load(load.seconds + (time.monotonic() - started if added else 0.0), load.bytes + read)
 
-    def _content_id_of(self, directory: str) -> str | None:
-        """The content id of `directory` (an adapter's base_model), None when it is not one this
-        worker may read (outside the roots, holding a FIFO) or has none."""
+    def _base_form(self, directory: str) -> WeightForm | None:
+        """The form of `directory` (an adapter's base_model) as weights to load, None when it is
+        not one this worker may read (outside the roots, holding a FIFO, missing) or load."""
         try:
-            self.policy.check_allowed(directory)
-            return weights_content_id(directory)
-        except (OSError, RequestFailed):
+            form = resolve(self.policy, directory)
+        except RequestFailed:
             return None
+        return None if isinstance(form, AdapterWeights) else form
 
     def probe(self, method: str, *args):
         """Run a WeightProbe method (vllm_extension) next to the engine's tensors; for checks."""
@@ -410,66 +428,3 @@ def _vllm_version() -> str:
     import vllm
 
     return vllm.__version__
-
-
-def _tokenizer_id(weights: Weights, known: tuple[str | None, int] = (None, 0)) -> tuple[str, int]:
-    """An id of the tokenizer files saved with the weights (a change needs a new engine), once
-    the tokenizer is known to load and to fit the model's vocabulary; and its size in tokens.
-    Files identical to the `known` (id, size) tokenizer's (the live engine's, loaded and checked
-    when its weights came) are not loaded again:
-    a trainer publishes the same tokenizer every step, and loading a 150k-token tokenizer
-    costs 0.3 s, more than the rest of an in-place reload's own work."""
-    digest = hashlib.sha256()
-    found = False
-    for name in TOKENIZER_FILES:
-        path = os.path.join(weights.real_path, name)
-        if os.path.exists(path):
-            found = True
-            try:
-                data = read_weights_file(path, MAX_TOKENIZER_BYTES)
-            except (OSError, ValueError) as exc:
-                raise RequestFailed(
-                    ErrorCode.WEIGHTS_INVALID,
-                    f"weights_dir {weights.path}: {name} cannot be read ({exc}); save the tokenizer again",
-                ) from None
-            digest.update(name.encode() + b"\0" + data)
-    if not found:
-        raise RequestFailed(
-            ErrorCode.WEIGHTS_INVALID,
-            f"weights_dir {weights.path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-            "save the tokenizer next to the weights",
-        )
-    if digest.hexdigest() == known[0]:
-        check_tokenizer_fits(weights, known[1])
-        return known
-    try:
-        size = tokenizer_size(weights.real_path)
-    except Exception as exc:
-        raise RequestFailed(
-            ErrorCode.WEIGHTS_INVALID,
-            f"weights_dir {weights.path}: the tokenizer does not load ({exc}); save it again with save_pretrained",
-        ) from None
-    check_tokenizer_fits(weights, size)
-    return digest.hexdigest(), size
-
-
-def tokenizer_size(directory: str) -> int:
-    """Tokens of the tokenizer saved in `directory` (transformers' len(tokenizer)). A fast
-    tokenizer (tokenizer.json) is read with the `tokenizers` library in 0.3 s: through transformers,
-    its import alone cost a worker about 7 s on a 2-core CPU before its engine process even started
-    (bench/tokenizer_check.py). Others load through transformers' AutoTokenizer."""
-    fast = os.path.join(directory, "tokenizer.json")
-    if not os.path.exists(fast):
-        from transformers import AutoTokenizer
-
-        return len(AutoTokenizer.from_pretrained(directory))
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(fast)
-    known = tokenizer.get_vocab(with_added_tokens=True)
-    # Added tokens that only tokenizer_config.json names are appended to the tokenizer when it loads.
-    config = os.path.join(directory, "tokenizer_config.json")
-    added = {}
-    if os.path.exists(config):
-        added = json.loads(read_weights_file(config, MAX_CONFIG_BYTES)).get("added_tokens_decoder") or {}
-    return len(known) + len({t["content"] for t in added.values()} - known.keys())
