@@ -369,7 +369,9 @@ def main() -> None:
         action="store_true",
         help="the model's shape and tokenizer with random weights: every completion runs to --tokens",
     )
-    parser.add_argument("--no-compile", action="store_true", help="both engines without torch.compile (rollout-svc serve --no-compile)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="both engines without torch.compile (as serve --no-compile)"
+    )
     parser.add_argument(
         "--generations",
         default=",".join(GENERATIONS),
@@ -383,7 +385,8 @@ def main() -> None:
         return
     generations = set(args.generations.split(",")) | {"plain", "worker_params"}
     if generations - set(GENERATIONS):
-        parser.error(f"unknown --generations {sorted(generations - set(GENERATIONS))}; choose from {', '.join(GENERATIONS)}")
+        unknown = sorted(generations - set(GENERATIONS))
+        parser.error(f"unknown --generations {unknown}; choose from {', '.join(GENERATIONS)}")
     args.generations = ",".join(g for g in GENERATIONS if g in generations)
     setups = args.setups.split(",")
     unknown = [s for s in setups if s not in SETUPS]

@@ -22,7 +22,7 @@ def test_a_shipped_config_loads_and_its_rows_read(name, monkeypatch):
     assert len(held_out) == cfg.data.held_out and len(train) > cfg.rollout.prompts_per_step
 
 
-@pytest.mark.parametrize("task", ["two_digit_sums", "times_tables"])
+@pytest.mark.parametrize("task", ["two_digit_sums", "running_sums"])
 def test_the_sums_rows_are_the_generators(task, tmp_path):
     out = tmp_path / "sums.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / f"{task}.py"), str(out)], check=True)

@@ -71,11 +71,11 @@ def test_trl_splits_a_step_into_the_micro_batches_asked_and_refuses_a_split_that
 
 def test_trl_scores_with_the_configs_own_reward_functions_weighted_alike(tmp_path):
     raw = compare.load_settings(arguments())
-    raw["reward"] = {"functions": ["trainer_svc.tasks.times_tables:lines_right", "overlong"], "weights": [1.0, 1.0]}
+    raw["reward"] = {"functions": ["trainer_svc.tasks.running_sums:steps_right", "overlong"], "weights": [1.0, 1.0]}
     spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
-    assert spec["user_rewards"] == [("trainer_svc.tasks.times_tables:lines_right", 1.0)]
+    assert spec["user_rewards"] == [("trainer_svc.tasks.running_sums:steps_right", 1.0)]
     assert spec["eval_every"] == 0  # no gold answers to grade held-out rows by
-    raw["reward"] = {"functions": ["correct", "trainer_svc.tasks.times_tables:lines_right"], "weights": [1.0, 1.0]}
+    raw["reward"] = {"functions": ["correct", "trainer_svc.tasks.running_sums:steps_right"], "weights": [1.0, 1.0]}
     with pytest.raises(SystemExit, match="correctness alone or the config's own"):
         compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
 

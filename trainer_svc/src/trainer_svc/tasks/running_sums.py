@@ -10,8 +10,8 @@ A row gives a start and a list of addends ("Start at 23. Add 14, then 31, then 2
   and c = a + b (the running totals are the row's, not the completion's: a slip is not carried on).
 
 Wrong sums cost nothing: a step is only right with the row's running total in it, which is the
-arithmetic asked, so writing sums at random gains nothing; a penalty taught the model to write
-less, not to add better (times tables, docs/BENCHMARKS.md).
+arithmetic asked, so writing sums at random gains nothing. A penalty per wrong line teaches a
+small model to write less rather than to add better (docs/BENCHMARKS.md, 512 tokens).
 
 The credit is dense (3 steps right out of 6 scores 0.5), so a small model that gets some steps
 right learns from every group. The gold answer is the last number of a right answer, so the
