@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import make_config
@@ -126,8 +127,14 @@ def test_a_relaunch_uses_results_in_the_spool_awaits_pending_ones_and_sends_only
 
     second = RolloutService(cfg)  # the relaunch, from a checkpoint that recorded the four calls
     sent: list[str] = []
-    submit_many = second.client.submit_many
-    second.client.submit_many = lambda requests: (sent.extend(r.request_id for r in requests), submit_many(requests))
+    submit_missing = second.client.submit_missing
+
+    def recording(requests):
+        missing = submit_missing(requests)
+        sent.extend(r.request_id for r in missing)
+        return missing
+
+    second.client.submit_missing = recording
     try:
         tickets = [Ticket.from_state(t.state_dict()) for t in (served, consumed, pending, lost)]
         for ticket in tickets:
@@ -284,3 +291,43 @@ def test_a_request_too_large_for_the_worker_stops_the_call_naming_the_worker_opt
     message = str(info.value)
     assert "request_too_large" in message and "permanent" in message
     assert "--max-samples" in message and "--max-request-tokens" in message and "rollout-svc serve" in message
+
+
+def test_a_ticket_is_built_once_and_each_send_lists_the_spool_once(tmp_path, workers, monkeypatch):
+    """submit (or restore) builds a ticket's requests, and collect, a resend included, reuses them; a send
+    lists requests/, claimed/, results/ and bad/ once, for the check of what the spool holds and the submit."""
+    service = RolloutService(service_config(tmp_path, fan_out=3))
+    built = 0
+    build = service._requests
+
+    def counting(ticket):
+        nonlocal built
+        built += 1
+        return build(ticket)
+
+    monkeypatch.setattr(service, "_requests", counting)
+    spool = service.client.spool
+    listed: list[str] = []
+    listdir = os.listdir
+
+    def listing(path):
+        if Path(path).parent == spool.root:
+            listed.append(Path(path).name)
+        return listdir(path)
+
+    try:
+        monkeypatch.setattr(os, "listdir", listing)
+        ticket = service.submit(Ticket(("1+1=", "2+2=", "3+3="), WEIGHTS, 5, 0, 0))
+        monkeypatch.setattr(os, "listdir", listdir)
+        assert sorted(listed) == ["bad", "claimed", "requests", "results"]
+        workers.start("echo-a")
+        assert [g.samples[0].text for g in service.collect(ticket)] == ["1+1=", "2+2=", "3+3="]
+        assert built == 1
+        again = RolloutService(service_config(tmp_path, fan_out=3))  # a relaunch taking the call over
+        monkeypatch.setattr(again, "_requests", counting)
+        again.restore(Ticket.from_state(ticket.state_dict()))
+        assert [g.samples[0].text for g in again.collect(ticket)] == ["1+1=", "2+2=", "3+3="]
+        assert built == 2
+        again.close()
+    finally:
+        service.close()

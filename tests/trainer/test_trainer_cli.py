@@ -14,8 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from protocol import exit_codes
+from protocol.private_dirs import NotPrivate
 from protocol.spool import Spool
 from trainer_svc.cli import app
+from trainer_svc.rollout_types import RolloutFailed, RolloutUnavailable
 from trainer_svc.run.plot import PANELS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -203,3 +205,38 @@ def test_train_with_a_directory_as_config(tmp_path):
     result = invoke("train", tmp_path)
     assert result.exit_code == exit_codes.USAGE
     assert str(tmp_path) in result.output
+
+
+def stopping_with(error: Exception, tmp_path, monkeypatch):
+    """`train` on a run that raises `error` where training would start."""
+    import trainer_svc.run.loop as loop
+
+    def raising(cfg, stage):
+        raise error
+
+    monkeypatch.setattr(loop, "train", raising)
+    path = config(tmp_path, fake_model(tmp_path / "model"), "[rollout]\nspawn = false\n")
+    monkeypatch.setattr("trainer_svc.cli.check_before_work", lambda cfg, **kw: None)
+    return invoke("train", path)
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (RolloutFailed("refused: fix x"), 2, "refused: fix x"),
+        (RolloutUnavailable("no worker"), 69, "no worker"),
+        (NotPrivate("/r", "is a link"), 2, "/r is a link: refused;"),
+        (OSError(28, "No space left on device", "/run/x"), 74, "a write failed (/run/x): No space left on device"),
+    ],
+)
+def test_train_exits_with_the_code_its_error_carries(error, code, message, tmp_path, monkeypatch):
+    result = stopping_with(error, tmp_path, monkeypatch)
+    assert result.exit_code == code, result.output
+    assert f"error: {message}" in result.output and "[Errno" not in result.output
+
+
+@pytest.mark.parametrize("error", [KeyError("bug"), PermissionError(13, "Permission denied")])
+def test_train_lets_an_error_without_an_exit_code_propagate(error, tmp_path, monkeypatch):
+    """A bug (or an OSError other than a full disk) is not dressed up as a trainer error: its traceback shows."""
+    result = stopping_with(error, tmp_path, monkeypatch)
+    assert result.exception is error

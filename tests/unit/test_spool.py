@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torn_reads import TornReadReader
 
 from protocol import fsio
-from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
+from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient, WorkerAbsence
 from protocol.messages import (
     ErrorCode,
     MessageError,
@@ -557,6 +557,32 @@ def test_locate_finds_every_file_of_an_id(spool, make_request):
     assert spool.locate("r") == [] and spool.locate("r10") == []
 
 
+def test_submit_missing_sends_only_ids_the_spool_holds_in_no_state_listing_each_directory_once(
+    spool, make_request, monkeypatch
+):
+    """A producer sending a call again: what is queued, claimed, answered, consumed or in bad/ stays as it is,
+    only the rest is published; the check and the submit share one listing of each directory."""
+    spool.submit(make_request("claimed"))
+    claim_one(spool)
+    for request_id in ("answered", "consumed"):
+        spool.submit(make_request(request_id))
+        claim = claim_one(spool)
+        spool.publish_results([failure(request_id)])
+        spool.finish(claim)
+    spool.consume_result("consumed")
+    spool.submit(make_request("queued"))
+    (spool.bad / "refused.json").write_bytes(b"")
+    held = ["queued", "claimed", "answered", "consumed", "refused"]
+    listed: list[str] = []
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: (listed.append(Path(path).name), listdir(path))[1])
+    sent = spool.submit_missing([make_request(i) for i in ["new1", *held, "new2"]])
+    assert [r.request_id for r in sent] == ["new1", "new2"]
+    assert sorted(listed) == ["bad", "claimed", "requests", "results"]
+    assert sorted(os.listdir(spool.requests)) == ["new1.json", "new2.json", "queued.json"]
+    assert spool.submit_missing([make_request("new1")]) == []  # sent already: nothing again
+
+
 # -- housekeeping --------------------------------------------------------------------------------------
 
 
@@ -746,6 +772,18 @@ def test_client_wait_without_consume_leaves_results(spool):
     with SpoolClient(spool.root) as client:
         assert client.wait(["r1"], timeout_s=1, consume=False)["r1"].error.code is ErrorCode.ENGINE_ERROR
     assert os.listdir(spool.results) == ["r1.json"]
+
+
+def test_worker_absence_is_an_error_once_no_worker_was_seen_for_the_grace():
+    """The rule `wait` and the trainer's turn batcher share, on given times (no clock)."""
+    absence = WorkerAbsence(grace_s=10.0)
+    assert not absence.too_long(False, 100.0)  # the first check without a worker starts the grace
+    assert not absence.too_long(False, 109.9)
+    assert not absence.too_long(True, 110.0)  # a worker came: the grace starts again at the next absence
+    assert not absence.too_long(False, 111.0)
+    assert not absence.too_long(False, 120.9)
+    assert absence.too_long(False, 121.0)
+    assert not WorkerAbsence(grace_s=0.0).too_long(False, 5.0)  # one check alone is never an absence
 
 
 @pytest.mark.parametrize("stale_status", [False, True])

@@ -42,6 +42,27 @@ class ResultTimeout(WaitError):
     """The deadline passed while workers were alive."""
 
 
+class WorkerAbsence:
+    """How long a waiting producer has seen no live worker, against a grace: a worker that is starting
+    writes its status within a second or two, so a short absence is no error. One absence is seen at two
+    checks at least, however short the grace. Shared by `SpoolClient.wait` and other waiters."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.since: float | None = None  # monotonic time of the first check that saw none; None: one lives
+
+    def too_long(self, alive: bool, now: float) -> bool:
+        """Record a check at `now` that saw a live worker (or had nothing waiting): `alive`; True once
+        none has been seen for `grace_s`."""
+        if alive:
+            self.since = None
+        elif self.since is None:
+            self.since = now
+        else:
+            return now - self.since >= self.grace_s
+        return False
+
+
 class SpoolClient:
     def __init__(
         self,
@@ -70,6 +91,10 @@ class SpoolClient:
 
     def submit_many(self, requests: list[Request]) -> None:
         self.spool.submit_many(requests)
+
+    def submit_missing(self, requests: list[Request]) -> list[Request]:
+        """Submit those of `requests` the spool holds in no state; returns them (Spool.submit_missing)."""
+        return self.spool.submit_missing(requests)
 
     def close(self) -> None:
         if self._waker is not None:
@@ -107,7 +132,7 @@ class SpoolClient:
         deadline = time.monotonic() + timeout_s
         pending = set(request_ids)
         results: dict[str, Result] = {}
-        no_worker_since: float | None = None
+        absence = WorkerAbsence(self.no_worker_grace_s)
         next_full_check = 0.0
         while True:
             now = time.monotonic()
@@ -149,11 +174,7 @@ class SpoolClient:
                     on_poll()
                 if self.recover_stale:
                     self.spool.recover_stale(DEFAULT_LEASE_S)
-                if self.spool.live_workers():
-                    no_worker_since = None
-                elif no_worker_since is None:
-                    no_worker_since = now
-                elif now - no_worker_since >= self.no_worker_grace_s:
+                if absence.too_long(bool(self.spool.live_workers()), now):
                     raise NoLiveWorker(
                         f"no live rollout worker serves {self.spool.root} (no fresh heartbeat in "
                         f"{self.spool.workers} for {self.no_worker_grace_s:.0f} s); "

@@ -22,11 +22,15 @@ import errno
 import os
 import stat
 
+from . import exit_codes
+
 GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 class NotPrivate(PermissionError):
     """A path another user could have made or could change: the message names it and what to do."""
+
+    exit_code = exit_codes.USAGE
 
     def __init__(self, path: str | os.PathLike, problem: str, remedy: str = ""):
         remedy = remedy or f"remove {path} if it is not yours to keep, and run again"

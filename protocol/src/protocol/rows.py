@@ -38,6 +38,7 @@ from string import Formatter
 
 import msgspec
 
+from . import exit_codes
 from .answers import extract_answer, gold_from_answer, normalise_answer, normalise_number
 from .jsonl import json_lines
 
@@ -48,6 +49,8 @@ ROLES_BEFORE_ANSWER = ("system", "user", "tool")
 
 class RowError(ValueError):
     """A prompt file or row that cannot be used; the message names the file, the row and the field."""
+
+    exit_code = exit_codes.USAGE
 
 
 @dataclass(frozen=True)

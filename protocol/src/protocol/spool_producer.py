@@ -69,6 +69,13 @@ def _result_of(request_id: str, where: str, read) -> Result | None:
         return _unusable(request_id, where, exc.message)
 
 
+def _refuse_repeated(requests: list[Request]) -> None:
+    ids = [r.request_id for r in requests]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise RequestExists(f"request ids {repeated} appear more than once in this batch")
+
+
 class ProducerSide(SpoolLayout):
     """Spool methods for producers (the trainer, eval jobs, spoolctl)."""
 
@@ -81,10 +88,7 @@ class ProducerSide(SpoolLayout):
 
         Every request is validated first (raises MessageError) and every id checked (raises
         RequestExists), so a bad batch publishes nothing."""
-        ids = [r.request_id for r in requests]
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        if repeated:
-            raise RequestExists(f"request ids {repeated} appear more than once in this batch")
+        _refuse_repeated(requests)
         listing = self.listing()  # once per batch
         for request in requests:
             validate(request)
@@ -94,6 +98,26 @@ class ProducerSide(SpoolLayout):
                     f"request id {request.request_id!r} is already used in {self.root} "
                     f"({', '.join(str(p) for p in found)}); pick a new id"
                 )
+        return self._publish(requests)
+
+    def submit_missing(self, requests: list[Request]) -> list[Request]:
+        """Publish, with one directory fsync, those of `requests` whose id the spool holds in no
+        state, and return them: a producer sending a call again (a relaunch) sends only what the
+        spool lost. One listing of each directory serves the check and the submit. Raises as
+        `submit_many` does for a bad request, a repeated id or one submitted concurrently."""
+        _refuse_repeated(requests)
+        listing = self.listing()
+        claimed = {split_claimed_name(c)[0] for c in listing["claimed"]}
+        missing = [r for r in requests if not self.locate(r.request_id, claimed, listing=listing)]
+        for request in missing:
+            validate(request)
+        if missing:
+            self._publish(missing)
+        return missing
+
+    def _publish(self, requests: list[Request]) -> list[Path]:
+        """Write each request in tmp/ and link it into requests/ (never replacing), then fsync
+        requests/ once. The ids were checked free; one taken since raises RequestExists."""
         scratch_paths = []
         try:
             for request in requests:

@@ -46,17 +46,25 @@ def _load(config: Path, smoke: bool):
 
 
 def check_before_work(cfg, *, need_model: bool = True) -> None:
-    """Cheap checks that would otherwise fail after minutes of model loading."""
-    from .rails.preflight import PreflightError, check_model_dir, check_publish_dir, check_run_dir, check_spool
+    """Cheap checks that would otherwise fail after minutes of model loading (PreflightError, with its exit code)."""
+    from .rails.preflight import check_model_dir, check_publish_dir, check_run_dir, check_spool
 
-    try:
-        if need_model:
-            check_model_dir(Path(cfg.model.path))
-        check_run_dir(cfg.run_dir)
-        check_publish_dir(cfg.publish_dir)
-        check_spool(cfg)
-    except PreflightError as exc:
-        raise _fail(exc.exit_code, str(exc)) from None
+    if need_model:
+        check_model_dir(Path(cfg.model.path))
+    check_run_dir(cfg.run_dir)
+    check_publish_dir(cfg.publish_dir)
+    check_spool(cfg)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _exit_code_of(exc: Exception) -> int | None:
+    """The code `train` exits with for exc: the one its class carries (`exit_code`), CANNOT_WRITE for any write a
+    full disk or quota failed; None for anything else, a bug that propagates with its traceback."""
+    if isinstance(exc, OSError) and exc.errno in FULL_DISK:
+        return exit_codes.CANNOT_WRITE
+    return getattr(exc, "exit_code", None)
 
 
 @app.command()
@@ -75,43 +83,21 @@ def train(
             f"smoke run: run directory {cfg.run_dir}, published weights {cfg.publish_dir}, spool {cfg.spool_dir}"
             f"{shared}; the run's own files are not touched"
         )
-    from .learning.reward_functions import RewardFunctionError, find_user_functions
+    from .learning.reward_functions import find_user_functions
 
     try:
         find_user_functions(cfg.reward)  # a missing module stops the launch at once
-    except RewardFunctionError as exc:
-        raise _fail(exit_codes.USAGE, str(exc)) from None
-    check_before_work(cfg)
-    from protocol.private_dirs import NotPrivate
+        check_before_work(cfg)
+        from .rails.gates import check_config
+        from .run.loop import train as run_training
 
-    from .data import DataError
-    from .envs.errors import EnvError
-    from .rails.gates import GateRefused, check_config
-    from .rollout_types import RolloutFailed, RolloutUnavailable
-    from .run.loop import train as run_training
-    from .run.out_of_memory import OutOfDeviceMemory
-
-    try:
         check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the cheapest gate, before torch loads
         code = run_training(cfg, stage="grpo_smoke" if smoke else "grpo")
-    except GateRefused as exc:
-        raise _fail(exit_codes.GATE_REFUSED, str(exc)) from None
-    except (DataError, RewardFunctionError, EnvError) as exc:  # rows, reward functions or environments to fix
-        raise _fail(exit_codes.USAGE, str(exc)) from None
-    except RolloutUnavailable as exc:
-        raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
-    except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help
-        raise _fail(exit_codes.USAGE, str(exc)) from None
-    except OutOfDeviceMemory as exc:
-        raise _fail(exit_codes.OUT_OF_MEMORY, str(exc)) from None
-    except NotPrivate as exc:  # a weight-slot ring another user made or can change: publish.slots_dir to fix
-        raise _fail(exit_codes.USAGE, exc.strerror) from None
-    except OSError as exc:
-        from .weights.checkpoint import CheckpointWriteFailed
-
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and not isinstance(exc, CheckpointWriteFailed):
+    except Exception as exc:  # each trainer error carries its exit code; a full disk gets CANNOT_WRITE
+        failed = _exit_code_of(exc)
+        if failed is None:
             raise
-        raise _fail(exit_codes.CANNOT_WRITE, _full_disk_message(exc, cfg)) from None
+        raise _fail(failed, _message(exc, failed, cfg)) from None
     if code == exit_codes.OK:
         import json
 
@@ -132,6 +118,13 @@ def train(
     from .run.setup import exit_process
 
     exit_process(code)
+
+
+def _message(exc: Exception, code: int, cfg) -> str:
+    if code == exit_codes.CANNOT_WRITE:
+        return _full_disk_message(exc, cfg)
+    # an OSError's own text (NotPrivate: a weight-slot ring another user made or can change) without "[Errno n]"
+    return exc.strerror if isinstance(exc, OSError) else str(exc)
 
 
 def _full_disk_message(exc: OSError, cfg) -> str:
@@ -204,10 +197,8 @@ def eval_env(
             cfg, service, problems, load_tokenizer(cfg.model.path), weights=WeightsRef(str(weights.absolute())),
             samples=samples, temperature=temperature, seed=seed,
         )  # fmt: skip
-    except (DataError, EnvError, RolloutFailed) as exc:
-        raise _fail(exit_codes.USAGE, str(exc)) from None
-    except RolloutUnavailable as exc:
-        raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
+    except (DataError, EnvError, RolloutFailed, RolloutUnavailable) as exc:  # each carries its exit code
+        raise _fail(exc.exit_code, str(exc)) from None
     write_rows(out, report.rows)
     typer.echo(
         f"reward {report.reward:.4f} over {len(report.rows)} rows x {samples} episodes in {report.seconds:.1f} s"
@@ -219,19 +210,16 @@ def band(config: ConfigArg) -> None:
     """Keep the prompts the starting model solves sometimes: a band file and its manifest for data.band_file."""
     _setup_logging()
     cfg = _load(config, False)
-    check_before_work(cfg)
     from .data import DataError
     from .rails.band import run_band
+    from .rails.preflight import PreflightError
     from .rollout_types import RolloutFailed, RolloutUnavailable
 
     try:
+        check_before_work(cfg)
         report = run_band(cfg)
-    except DataError as exc:
-        raise _fail(exit_codes.USAGE, str(exc)) from None
-    except RolloutUnavailable as exc:
-        raise _fail(exit_codes.ROLLOUT_UNAVAILABLE, str(exc)) from None
-    except RolloutFailed as exc:  # a permanent refusal: relaunching alone cannot help
-        raise _fail(exit_codes.USAGE, str(exc)) from None
+    except (PreflightError, DataError, RolloutUnavailable, RolloutFailed) as exc:  # each carries its exit code
+        raise _fail(exc.exit_code, str(exc)) from None
     counts = report["counts"]
     typer.echo(
         f"{report['rows']} prompts in the band ({counts['never']} never solved, {counts['always']} always); "
@@ -299,7 +287,7 @@ def merge_adapter(
     try:
         written = merge(adapter_dir, out_dir, base)
     except MergeRefused as exc:
-        raise _fail(exit_codes.USAGE, str(exc)) from None
+        raise _fail(exc.exit_code, str(exc)) from None
     typer.echo(
         f"merged {adapter_dir} into {written.path} ({written.bytes / 2**20:.1f} MiB, content id {written.content_id})"
     )
@@ -323,10 +311,8 @@ def import_gguf(
 
     try:
         done = run_import(gguf_file, out_dir, dtype=dtype, expect=expect)
-    except ImportFailed as exc:
-        raise _fail(exit_codes.USAGE, str(exc)) from None
-    except ImportMismatch as exc:
-        raise _fail(exit_codes.INTERNAL_ERROR, str(exc)) from None
+    except (ImportFailed, ImportMismatch) as exc:  # each carries its exit code
+        raise _fail(exc.exit_code, str(exc)) from None
     if write_pin is not None:
         pin(done.path, write_pin)
     typer.echo(

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from protocol import exit_codes
+
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -463,6 +465,8 @@ class Config(Struct):
 
 class ConfigError(ValueError):
     """The config cannot be used; the message names the file, the key and the reason."""
+
+    exit_code = exit_codes.USAGE
 
 
 def load(path: str | Path, *, smoke: bool = False) -> Config:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from protocol import exit_codes
+
 
 @dataclass(frozen=True)
 class WeightsRef:
@@ -83,7 +85,11 @@ def split_sizes(total: int, parts: int) -> tuple[int, ...]:
 class RolloutUnavailable(RuntimeError):
     """No worker can serve the trainer's requests; the message says why and what to do."""
 
+    exit_code = exit_codes.ROLLOUT_UNAVAILABLE
+
 
 class RolloutFailed(RuntimeError):
     """A worker refused a request for good (a permanent error): it fails again, sent again
     unchanged, until what the message names changes."""
+
+    exit_code = exit_codes.USAGE  # relaunching alone cannot help

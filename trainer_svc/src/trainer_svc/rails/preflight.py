@@ -14,6 +14,10 @@ from ..config import Config
 
 
 class PreflightError(RuntimeError):
+    """A launch that would fail later; exit 2, or the code a check gives (69: no worker can serve the spool)."""
+
+    exit_code = exit_codes.USAGE
+
     def __init__(self, message: str, exit_code: int = exit_codes.USAGE):
         super().__init__(message)
         self.exit_code = exit_code

@@ -43,7 +43,6 @@ import msgspec
 from protocol.client import NoLiveWorker, ResultTimeout, SpoolClient
 from protocol.messages import ErrorCode, Request, Result
 from protocol.rows import prompt_fields
-from protocol.spool import split_claimed_name
 
 from ..config import Config
 from ..rollout_types import Group, RolloutFailed, RolloutUnavailable, Sample, Ticket, WeightsRef, split_sizes
@@ -59,6 +58,9 @@ class RolloutService:
         `world_size`, `cuda_devices`: the training ranks and the GPUs this process sees."""
         self.cfg = cfg
         self.sent: set[str] = set()  # ids this launch submitted: only their failures are this launch's
+        # Each submitted or restored ticket's requests, by its request ids, until collected: built once
+        # (their fields' JSON and digests), then sent, awaited and sent again from here.
+        self.built: dict[tuple[str, ...], list[Request]] = {}
         self.client = SpoolClient(cfg.spool_dir, no_worker_grace_s=cfg.rollout.no_worker_grace_s)
         self.worker_id = f"{_id_part(cfg.run_dir.name[:40])}-rollout"  # the spawned worker's
         self.worker: SpawnedWorker | None = None
@@ -104,21 +106,28 @@ class RolloutService:
         parts = split_sizes(len(call.prompts), self.cfg.rollout.fan_out or len(self.client.spool.live_workers()))
         requests = self._requests(replace(call, parts=parts))
         self._send(requests)
-        return replace(call, parts=parts, request_ids=tuple(r.request_id for r in requests))
+        ticket = replace(call, parts=parts, request_ids=tuple(r.request_id for r in requests))
+        self.built[ticket.request_ids] = requests
+        return ticket
 
     def restore(self, ticket: Ticket) -> None:
         """Take over a call a previous launch made: its results already in the spool are used, its
         requests still queued or claimed are awaited, and only those the spool lost are sent (under
         the ticket's own ids, which `collect` waits for)."""
-        requests = self._requests(ticket)
-        self._send(
-            [msgspec.structs.replace(r, request_id=i) for r, i in zip(requests, ticket.request_ids, strict=True)]
-        )
+        requests = [
+            msgspec.structs.replace(r, request_id=i)
+            for r, i in zip(self._requests(ticket), ticket.request_ids, strict=True)
+        ]
+        self.built[ticket.request_ids] = requests
+        self._send(requests)
 
     def collect(self, ticket: Ticket) -> list[Group]:
         """The groups of a submitted call, in prompt order, once every request has its result. A
         failed request is sent again or stops the call, as the module docstring says."""
-        requests = dict(zip(ticket.request_ids, self._requests(ticket), strict=True))
+        # Built when it was submitted or restored; a ticket of the same ids collected before it (the same
+        # call made twice, in flight together) took that entry, and the same requests are built again.
+        built = self.built.pop(ticket.request_ids, None) or self._requests(ticket)
+        requests = dict(zip(ticket.request_ids, built, strict=True))
         awaited = {i: i for i in ticket.request_ids}  # the ticket's id -> the try of it awaited now
         tries = dict.fromkeys(ticket.request_ids, 0)  # position in the chain of the try awaited
         resent = dict.fromkeys(ticket.request_ids, 0)  # tries this launch sent after an error of its own
@@ -221,13 +230,9 @@ class RolloutService:
         return [msgspec.structs.replace(r, call_id=call_id) for r in requests]
 
     def _send(self, requests: list[Request]) -> None:
-        """Submit, in one batch, the requests the spool does not hold in any state."""
-        spool = self.client.spool
-        claimed = {split_claimed_name(e.name)[0] for e in spool.entries("claimed")}
-        missing = [r for r in requests if not spool.locate(r.request_id, claimed_names=claimed)]
-        if missing:
-            self.client.submit_many(missing)
-            self.sent.update(r.request_id for r in missing)
+        """Submit, in one batch, the requests the spool does not hold in any state (one listing)."""
+        missing = self.client.submit_missing(requests)
+        self.sent.update(r.request_id for r in missing)
         if len(missing) < len(requests):
             log.info(
                 "%d of %d requests were already in the spool; using them", len(requests) - len(missing), len(requests)

@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from protocol.client import SpoolClient
+from protocol.client import SpoolClient, WorkerAbsence
 from protocol.messages import ErrorCode, Request, Result, is_valid_id
 from protocol.spool import name_for_id, split_claimed_name
 from protocol.watch import Waker
@@ -141,7 +141,7 @@ class TurnBatcher:
         self._counter = 0
         self._live: list[str] = []
         self._next_check = 0.0
-        self._no_worker_since: float | None = None
+        self._absence = WorkerAbsence(client.no_worker_grace_s)
         self._waker: Waker | None = None
 
     # -- the interface -----------------------------------------------------------------------------
@@ -341,11 +341,7 @@ class TurnBatcher:
         has lived for the client's grace while turns wait."""
         self._next_check = now + CHECK_S
         self._live = sorted(status.worker_id for status in self.spool.live_workers())
-        if self._live or not self._keys:
-            self._no_worker_since = None
-        elif self._no_worker_since is None:
-            self._no_worker_since = now
-        elif now - self._no_worker_since >= self.client.no_worker_grace_s:
+        if self._absence.too_long(bool(self._live) or not self._keys, now):  # nothing waiting: no absence
             raise RolloutUnavailable(
                 f"no live rollout worker serves {self.spool.root} (no fresh heartbeat in {self.spool.workers} for "
                 f"{self.client.no_worker_grace_s:.0f} s); {len(self._keys)} turns wait. Start one with "

@@ -26,6 +26,7 @@ import torch
 
 from protocol import exit_codes
 
+from ..cadence import on_cadence
 from ..config import Config
 from ..learning.train_step import learn
 from ..rollout.sampling import summarize
@@ -76,14 +77,14 @@ def one_step(run: Run, timer: StepTimer) -> int | None:
     with timer.phase("train"):
         stats = learn(run.policy, rollouts.groups, rollouts.advantages, cfg, run.dist_info)
     state.step += 1
-    if run.sync.due(state.step):
+    if on_cadence(state.step, cfg.publish.every, cfg.train.steps):
         with timer.phase("publish"):
             run.weights = run.sync.publish(run.policy.model, state.step)
     row = {"step": state.step, **summarize(rollouts), **stats}
     tripped = run.tripwire.observe(state.step, row["reward_mean"], row["entropy"], row["response_length"])
     stopping, tripping = run.stop.agreed(run.dist_info, tripped is not None)
     row.update(run.canary.maybe_run(state.step, run.weights))
-    if state.step % cfg.checkpoint.every == 0 or state.step == cfg.train.steps or stopping or tripping:
+    if on_cadence(state.step, cfg.checkpoint.every, cfg.train.steps) or stopping or tripping:
         with timer.phase("save"):
             pin_reason = (run.tripwire.reason or "collapse tripwire") if tripping else None
             save(run, {**row, **timer.seconds()}, pin_reason)

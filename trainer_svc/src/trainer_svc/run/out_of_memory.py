@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from protocol import exit_codes
+
 GIB = 2**30
 
 
 class OutOfDeviceMemory(RuntimeError):
     """The device ran out of memory in a step; the message says what to change."""
+
+    exit_code = exit_codes.OUT_OF_MEMORY
 
     def __init__(self, step: int, phase: str, device: torch.device, resume_from: str | None, cause: str):
         where = f"step {step}'s {phase}"

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from protocol import exit_codes
 from protocol.weight_slots import is_slot
 from protocol.weights_dir import (
     COPIED_FILES,
@@ -71,6 +72,8 @@ PINNED_FILE = "PINNED"  # a checkpoint holding this file is never pruned
 class CheckpointWriteFailed(OSError):
     """A checkpoint could not be written (a full disk, most often). Nothing of it is kept and the
     older checkpoints are untouched: a relaunch resumes from the newest of them."""
+
+    exit_code = exit_codes.CANNOT_WRITE
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol import exit_codes
 from protocol.fsio import write_synced
 from protocol.weights_dir import (
     MANIFEST,
@@ -63,9 +64,13 @@ _CHUNK = 16 * 2**20
 class ImportFailed(ValueError):
     """The file cannot be imported (missing packages, not a GGUF file, an unknown dtype)."""
 
+    exit_code = exit_codes.USAGE
+
 
 class ImportMismatch(ValueError):
     """The import differs from its pin; the message says what differs."""
+
+    exit_code = exit_codes.INTERNAL_ERROR
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from protocol import exit_codes
 from protocol.weights_dir import ManifestError, read_manifest, weights_content_id
 
 from .writer import Written, omitted_names, write_weights_dir
@@ -22,6 +23,8 @@ from .writer import Written, omitted_names, write_weights_dir
 
 class MergeRefused(ValueError):
     """The adapter or its base cannot be merged; the message says why and what to do."""
+
+    exit_code = exit_codes.USAGE
 
 
 def merge_adapter(adapter_dir: Path, out_dir: Path, base: Path | None = None) -> Written:

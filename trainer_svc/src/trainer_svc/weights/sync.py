@@ -55,9 +55,6 @@ class WeightSync:
         """For the banner: where publishes go, in which form, and why."""
         return self.why
 
-    def due(self, step: int) -> bool:
-        return step % self.cfg.publish.every == 0 or step == self.cfg.train.steps
-
     def publish(self, model, step: int) -> WeightsRef:
         return self.publisher.publish(model, step)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from protocol.weights_dir import step_content_id
 
+from ...cadence import on_cadence
 from ...distributed import on_rank0
 from ...rollout_types import WeightsRef
 from ..checkpoint import ROLLOUT_WEIGHTS
@@ -51,8 +52,7 @@ class SlotPublisher(Publisher):
         )
 
     def publish(self, model, step: int) -> WeightsRef:
-        every = self.cfg.publish.dir_every
-        if (every and step % every == 0) or step == self.cfg.train.steps:
+        if on_cadence(step, self.cfg.publish.dir_every, self.cfg.train.steps):
             self.portable.publish(model, step)  # the portable form, for eval jobs, other hosts and people
         wanted, self.republish_into = self.republish_into, None
         slot = self.dist_info.from_rank0(self.ring.choose(wanted) if self.ring is not None else None)
