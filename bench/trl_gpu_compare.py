@@ -622,6 +622,34 @@ def plot(paths: list[str], png: str) -> None:
     print(f"wrote {png}")
 
 
+def plot_reward(paths: list[str], png: str) -> None:
+    """Each side's training reward (a ten-step running mean) against seconds from launch: the curve
+    of a task whose held-out grade is too strict to move within minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        steps = data["run"]["steps"]
+        rewards = [s["reward"] for s in steps]
+        mean = [sum(rewards[max(0, i - 9) : i + 1]) / len(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+        ax.plot([s["t"] for s in steps], mean, label=f"{data['side']}: {data['config']}")
+    ax.set_xlabel("seconds from launch")
+    ax.set_ylabel("training reward (ten-step running mean)")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    first = json.loads(Path(paths[0]).read_text())
+    ax.set_title(f"SmolLM2-135M-Instruct, one {first.get('machine', 'GPU')}", fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    print(f"wrote {png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=["ours", "trl"])
@@ -639,6 +667,7 @@ def main() -> None:
     parser.add_argument("--trl-micro-batches", type=int, help="TRL's micro-batches a step (default: train.grad_accum)")
     parser.add_argument("--json")
     parser.add_argument("--plot", nargs="+", metavar="JSON", help="draw these sides' accuracy against time")
+    parser.add_argument("--plot-reward", nargs="+", metavar="JSON", help="draw these sides' reward against time")
     parser.add_argument("--png", default=str(ROOT / "docs" / "smollm2_gpu_vs_trl.png"))
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)  # internal: TRL's process
     args = parser.parse_args()
@@ -647,6 +676,9 @@ def main() -> None:
         return
     if args.plot:
         plot(args.plot, args.png)
+        return
+    if args.plot_reward:
+        plot_reward(args.plot_reward, args.png)
         return
     if not args.side:
         parser.error("give --side ours or --side trl (or --plot)")
