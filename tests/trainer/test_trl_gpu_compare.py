@@ -128,3 +128,12 @@ def test_the_workers_reloads_calls_and_build_are_read_from_its_log():
         "engine_process_build_s": 61.9,
         "engine_llm_s": 39.5,
     }
+
+
+def test_the_reward_plot_is_drawn_from_a_runs_json(tmp_path):
+    steps = [{"step": i, "t": 60.0 + 2 * i, "reward": 0.05 + 0.002 * i} for i in range(1, 31)]
+    run = tmp_path / "ours.json"
+    run.write_text(json.dumps({"side": "ours", "config": "c.toml", "machine": "GPU", "run": {"steps": steps}}))
+    png = tmp_path / "reward.png"
+    compare.plot_reward([str(run)], str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
