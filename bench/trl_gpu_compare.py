@@ -613,8 +613,13 @@ def plot(paths: list[str], png: str) -> None:
     ax.set_ylabel("held-out greedy accuracy (64 rows)")
     ax.set_ylim(0, 1)
     ax.set_xlim(left=0)  # from launch: the start-up is part of the time to an accuracy
+    save(fig, ax, paths, "two-digit sums, ", png)
+
+
+def save(fig, ax, paths: list[str], task: str, png: str) -> None:
+    """The title (the first run's machine), legend and grid both plots share; then the file."""
     first = json.loads(Path(paths[0]).read_text())
-    ax.set_title(f"SmolLM2-135M-Instruct, two-digit sums, one {first.get('machine', 'GPU')}", fontsize=10)
+    ax.set_title(f"SmolLM2-135M-Instruct, {task}one {first.get('machine', 'GPU')}", fontsize=10)
     ax.legend(loc="lower right", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -641,13 +646,7 @@ def plot_reward(paths: list[str], png: str) -> None:
     ax.set_ylabel("training reward (ten-step running mean)")
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=0)
-    first = json.loads(Path(paths[0]).read_text())
-    ax.set_title(f"SmolLM2-135M-Instruct, one {first.get('machine', 'GPU')}", fontsize=10)
-    ax.legend(loc="lower right", fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png)
-    print(f"wrote {png}")
+    save(fig, ax, paths, "", png)
 
 
 def main() -> None:
