@@ -20,11 +20,14 @@ class LoraConfig(Struct):
     """LoRA (learning/lora.py): train a PEFT adapter on the frozen base model; a publish is the
     adapter alone, which workers serve on the base they hold (rollout-svc serve --max-lora-rank)."""
 
-    rank: NonNegative = 0  # LoRA rank r; 0: off (the whole model trains)
-    alpha: PositiveFloat = 16.0  # the update is scaled by alpha / rank
-    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0  # on the adapter's input, in training only
-    # The modules the adapter changes, by the last part of their names.
-    target_modules: list[str] = msgspec.field(default_factory=lambda: list(DECODER_PROJECTIONS))
+    rank: Annotated[NonNegative, msgspec.Meta(description="LoRA rank r; 0: off (the whole model trains)")] = 0
+    alpha: Annotated[PositiveFloat, msgspec.Meta(description="the update is scaled by alpha / rank")] = 16.0
+    dropout: Annotated[
+        Annotated[float, msgspec.Meta(ge=0, lt=1)], msgspec.Meta(description="on the adapter's input, in training only")
+    ] = 0.0
+    target_modules: Annotated[
+        list[str], msgspec.Meta(description="The modules the adapter changes, by the last part of their names.")
+    ] = msgspec.field(default_factory=lambda: list(DECODER_PROJECTIONS))
 
     def __post_init__(self) -> None:
         if self.rank and not self.target_modules:
@@ -50,18 +53,42 @@ class EnvConfig(Struct):
     episode, talks with the policy turn by turn; its reward is the sample's. Left out: one turn,
     scored by [reward]."""
 
-    class_: str = msgspec.field(name="class")  # "package.module:Class", importable from PYTHONPATH
-    max_turns: Positive = 4  # assistant turns per episode, at most (tool calls count as turns)
-    # Tokens of a whole episode (first prompt, every assistant and environment turn), at most: an
-    # episode whose next environment turn would pass it ends before that turn.
-    max_episode_tokens: Positive = 1024
-    timeout_s: PositiveFloat = 30.0  # longest one call of the environment (its creation, a step, a tool) may take
-    concurrency: Positive = 2  # environment worker processes (each holds many episodes, one call at a time)
-    memory_mb: NonNegative = 0  # address-space limit of each environment process (RLIMIT_AS); 0: none
-    # When the chat template renders the conversation so far differently from the ids the engine
-    # saw (Qwen3-style templates drop earlier reasoning): "end" ends the episode there (its sample is
-    # the ids the engine saw, counted in env_drift_ends); "refuse" stops the run (exit 2).
-    drift: Literal["end", "refuse"] = "end"
+    class_: Annotated[str, msgspec.Meta(description='"package.module:Class", importable from PYTHONPATH')] = (
+        msgspec.field(name="class")
+    )
+    max_turns: Annotated[
+        Positive, msgspec.Meta(description="assistant turns per episode, at most (tool calls count as turns)")
+    ] = 4
+    max_episode_tokens: Annotated[
+        Positive,
+        msgspec.Meta(
+            description=(
+                "Tokens of a whole episode (first prompt, every assistant and environment turn), at most: an "
+                "episode whose next environment turn would pass it ends before that turn."
+            )
+        ),
+    ] = 1024
+    timeout_s: Annotated[
+        PositiveFloat,
+        msgspec.Meta(description="longest one call of the environment (its creation, a step, a tool) may take"),
+    ] = 30.0
+    concurrency: Annotated[
+        Positive,
+        msgspec.Meta(description="environment worker processes (each holds many episodes, one call at a time)"),
+    ] = 2
+    memory_mb: Annotated[
+        NonNegative, msgspec.Meta(description="address-space limit of each environment process (RLIMIT_AS); 0: none")
+    ] = 0
+    drift: Annotated[
+        Literal["end", "refuse"],
+        msgspec.Meta(
+            description=(
+                "When the chat template renders the conversation so far differently from the ids the engine saw "
+                '(Qwen3-style templates drop earlier reasoning): "end" ends the episode there (its sample is the '
+                'ids the engine saw, counted in env_drift_ends); "refuse" stops the run (exit 2).'
+            )
+        ),
+    ] = "end"
 
     def __post_init__(self) -> None:
         if not USER_CLASS.fullmatch(self.class_):

@@ -2,45 +2,132 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from .base import Fraction, NonNegative, NonNegativeFloat, Positive, PositiveFloat, Struct
 
 
 class RunConfig(Struct):
-    dir: str  # run directory: checkpoints, metrics, results; relaunching with it resumes
-    seed: int = 0
-    deterministic: bool = False  # torch deterministic algorithms (CPU): resumed runs repeat exactly
-    max_wall_seconds: NonNegativeFloat = 0.0  # stop (resumable) at the first step boundary past this; 0: none
-    cpu_threads: NonNegative = 1  # torch threads per rank on CPU; 0: torch's default. On a small
-    # machine shared with a rollout worker, more threads than cores is many times slower.
+    """The run: its directory (which a relaunch resumes from), its seed and its limits."""
+
+    dir: Annotated[
+        str, msgspec.Meta(description="run directory: checkpoints, metrics, results; relaunching with it resumes")
+    ]
+    seed: Annotated[
+        int,
+        msgspec.Meta(
+            description=(
+                "the run's seed: the held-out split, prompt order, sampling seeds and the shuffle control "
+                "derive from it"
+            )
+        ),
+    ] = 0
+    deterministic: Annotated[
+        bool, msgspec.Meta(description="torch deterministic algorithms (CPU): resumed runs repeat exactly")
+    ] = False
+    max_wall_seconds: Annotated[
+        NonNegativeFloat, msgspec.Meta(description="stop (resumable) at the first step boundary past this; 0: none")
+    ] = 0.0
+    cpu_threads: Annotated[
+        NonNegative,
+        msgspec.Meta(
+            description=(
+                "torch threads per rank on CPU; 0: torch's default. On a small machine shared with a rollout "
+                "worker, more threads than cores is many times slower."
+            )
+        ),
+    ] = 1
 
 
 class ModelConfig(Struct):
-    path: str  # HF-format causal LM directory (config.json, safetensors, tokenizer)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    activation_checkpointing: bool = False
-    # torch.compile of each decoder layer and of the log-prob math, which fuses their elementwise
-    # kernels (norms, rotary, SwiGLU, the float32 softmax over the vocabulary). "auto": on a GPU
-    # only; the first steps pay the compilation (tens of seconds).
-    compile: Literal["auto", "on", "off"] = "auto"
+    """The policy model trained, and how it runs in the trainer."""
+
+    path: Annotated[
+        str, msgspec.Meta(description="HF-format causal LM directory (config.json, safetensors, tokenizer)")
+    ]
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16"], msgspec.Meta(description="auto: float32 on CPU, bfloat16 on GPU")
+    ] = "auto"
+    activation_checkpointing: Annotated[
+        bool,
+        msgspec.Meta(
+            description=(
+                "recompute each decoder layer's activations in the backward pass: a token then costs one "
+                "layer's activations in memory, not all, for more compute"
+            )
+        ),
+    ] = False
+    compile: Annotated[
+        Literal["auto", "on", "off"],
+        msgspec.Meta(
+            description=(
+                "torch.compile of each decoder layer and of the log-prob math, which fuses their elementwise "
+                'kernels (norms, rotary, SwiGLU, the float32 softmax over the vocabulary). "auto": on a GPU only; '
+                "the first steps pay the compilation (tens of seconds)."
+            )
+        ),
+    ] = "auto"
 
 
 class DataConfig(Struct):
-    task: Literal["arithmetic", "file"] = "arithmetic"
-    path: str = ""  # task "file": a JSONL or Parquet file of rows (protocol/rows.py says which field is what)
-    # The prompt's field; "": the first of prompt, messages, question. Text, or a conversation
-    # (a list of {role, content}) rendered with the model's chat template by the worker.
-    prompt_field: str = ""
-    answer_field: str = ""  # the gold answer's field; "": the first of gold, answer, solution (none: no golds)
-    template: str = ""  # text prompts built from the row's fields, e.g. "{question}\nAnswer:"; "": as written
-    system_prompt: str = ""  # a system turn added to each conversation that has none
-    chat: bool = False  # text prompts sent as a conversation of one user turn (chat template, system prompt)
-    arithmetic_low: NonNegative = 0
-    arithmetic_high: NonNegative = 20
-    arithmetic_ops: str = "+"
-    held_out: NonNegative = 32  # problems kept out of training, for the canary
-    band_file: str = ""  # train on the prompts of a band file from `trainer-svc band` instead
+    """The prompts trained on: the built-in arithmetic task or a file of rows (trainer_svc.data)."""
+
+    task: Annotated[
+        Literal["arithmetic", "file"],
+        msgspec.Meta(
+            description="arithmetic: generated equations a{op}b= (the arithmetic_* keys); file: prompts from data.path"
+        ),
+    ] = "arithmetic"
+    path: Annotated[
+        str,
+        msgspec.Meta(
+            description='task "file": a JSONL or Parquet file of rows (protocol/rows.py says which field is what)'
+        ),
+    ] = ""
+    prompt_field: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                'The prompt\'s field; "": the first of prompt, messages, question. Text, or a conversation (a list '
+                "of {role, content}) rendered with the model's chat template by the worker."
+            )
+        ),
+    ] = ""
+    answer_field: Annotated[
+        str,
+        msgspec.Meta(description='the gold answer\'s field; "": the first of gold, answer, solution (none: no golds)'),
+    ] = ""
+    template: Annotated[
+        str,
+        msgspec.Meta(
+            description='text prompts built from the row\'s fields, e.g. "{question}\\nAnswer:"; "": as written'
+        ),
+    ] = ""
+    system_prompt: Annotated[
+        str, msgspec.Meta(description="a system turn added to each conversation that has none")
+    ] = ""
+    chat: Annotated[
+        bool,
+        msgspec.Meta(description="text prompts sent as a conversation of one user turn (chat template, system prompt)"),
+    ] = False
+    arithmetic_low: Annotated[
+        NonNegative, msgspec.Meta(description="smallest operand of the arithmetic task's equations")
+    ] = 0
+    arithmetic_high: Annotated[
+        NonNegative,
+        msgspec.Meta(
+            description="largest operand of the arithmetic task's equations (every pair in [low, high] is a problem)"
+        ),
+    ] = 20
+    arithmetic_ops: Annotated[
+        str, msgspec.Meta(description='the arithmetic task\'s operations, distinct characters of "+-*"')
+    ] = "+"
+    held_out: Annotated[NonNegative, msgspec.Meta(description="problems kept out of training, for the canary")] = 32
+    band_file: Annotated[
+        str, msgspec.Meta(description="train on the prompts of a band file from `trainer-svc band` instead")
+    ] = ""
 
     def __post_init__(self) -> None:
         if self.task == "file" and not self.path:
@@ -63,11 +150,15 @@ class DataConfig(Struct):
 class SftConfig(Struct):
     """The supervised warm-up `trainer-svc sft` runs before GRPO; it writes model.path."""
 
-    base: str  # the model to start from
-    problems: Positive = 200  # training problems it sees (the rest are left for GRPO to learn)
-    steps: Positive = 1000  # at most
-    batch_size: Positive = 32
-    lr: PositiveFloat = 3e-4
-    stop_at_accuracy: Fraction = 0.3  # stop once sampled accuracy reaches this: GRPO does the rest
-    eval_every: Positive = 25
-    eval_problems: Positive = 128
+    base: Annotated[str, msgspec.Meta(description="the model to start from")]
+    problems: Annotated[
+        Positive, msgspec.Meta(description="training problems it sees (the rest are left for GRPO to learn)")
+    ] = 200
+    steps: Annotated[Positive, msgspec.Meta(description="at most")] = 1000
+    batch_size: Annotated[Positive, msgspec.Meta(description="problems per optimizer step")] = 32
+    lr: Annotated[PositiveFloat, msgspec.Meta(description="AdamW learning rate")] = 3e-4
+    stop_at_accuracy: Annotated[
+        Fraction, msgspec.Meta(description="stop once sampled accuracy reaches this: GRPO does the rest")
+    ] = 0.3
+    eval_every: Annotated[Positive, msgspec.Meta(description="steps between measurements of sampled accuracy")] = 25
+    eval_problems: Annotated[Positive, msgspec.Meta(description="training problems sampled to measure accuracy")] = 128
