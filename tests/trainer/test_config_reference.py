@@ -3,12 +3,14 @@ field of every section, and docs/config.md is what the code writes today."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from trainer_svc.config import TrainConfig
+from trainer_svc.config import TrainConfig, load
 from trainer_svc.config.reference import REGENERATE, fields, markdown, sections
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +51,24 @@ def test_descriptions_do_not_change_what_loads():
     # A description sits beside the constraint in the same Annotated: the constraint still refuses.
     with pytest.raises(msgspec.ValidationError, match=r"Expected `int` >= 1 - at `\$.steps`"):
         msgspec.convert({"steps": 0}, TrainConfig)
+
+
+def test_the_config_command_prints_each_keys_value_default_and_description(monkeypatch):
+    # The real entry point, on a shipped config: its values (relative paths resolved), beside the reference.
+    shipped = ROOT / "configs" / "demo.toml"
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer_svc.cli", "config", str(shipped)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    monkeypatch.chdir(ROOT)  # the command resolves relative paths from its working directory
+    cfg = load(shipped)
+    lines = out.splitlines()
+    at = lines.index(f"prompts_per_step = {cfg.rollout.prompts_per_step}")
+    assert lines[at + 1] == (
+        "    default 16; prompts trained on per optimizer step (each sampled samples_per_prompt times)"
+    )
+    assert f'dir = "{cfg.run.dir}"' in lines and cfg.run.dir != "runs/demo"  # resolved, as the run sees it
+    assert "[env]  # unset" in lines and "[train]" in lines

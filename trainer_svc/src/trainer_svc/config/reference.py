@@ -137,6 +137,20 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def resolved(config) -> str:
+    """A loaded config as `trainer-svc config` prints it: per section, each key's value, then its
+    default and description; a section left out reads as unset."""
+    lines: list[str] = []
+    docs = list(fields())
+    for section, _, _ in sections():
+        values = getattr(config, section)
+        lines += ["", f"[{section}]" + ("  # unset" if values is None else "")]
+        for doc in (d for d in docs if d.section == section):
+            value = "unset" if values is None else value_text(getattr(values, doc.attr))
+            lines += [f"{doc.name} = {value}", f"    default {doc.default}; {doc.description}"]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit(f"usage: {REGENERATE}")
