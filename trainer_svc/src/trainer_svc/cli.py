@@ -1,5 +1,6 @@
-"""`trainer-svc`: train (GRPO), sft (warm-up), band, plot, import-gguf, merge-adapter. Heavy imports happen
-inside commands, so `--help` and config errors are instant. Exit codes: protocol.exit_codes (README table)."""
+"""`trainer-svc`: train (GRPO), sft (warm-up), config (the resolved config), band, plot, import-gguf,
+merge-adapter. Heavy imports happen inside commands, so `--help` and config errors are instant. Exit codes:
+protocol.exit_codes (README table)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,14 @@ def _exit_code_of(exc: Exception) -> int | None:
     if isinstance(exc, OSError) and exc.errno in FULL_DISK:
         return exit_codes.CANNOT_WRITE
     return getattr(exc, "exit_code", None)
+
+
+@app.command("config")
+def show_config(config: ConfigArg) -> None:
+    """Print the resolved config: each key's value, its default and what it means (docs/config.md)."""
+    from .config.reference import resolved
+
+    typer.echo(resolved(_load(config, smoke=False)), nl=False)
 
 
 @app.command()
