@@ -222,8 +222,13 @@ def run_ours(raw: dict, work: Path, args) -> dict:
         }
         for r in found["rows"]["steps"]
     ]
-    evals = [
-        {"step": r["step"], "accuracy": r["accuracy"], "t": round(r["time"] - found["launched"], 2)}
+    evals = [  # the canary's held-out reward too: the run's own score of its greedy answers
+        {
+            "step": r["step"],
+            "accuracy": r["accuracy"],
+            "reward": r.get("reward"),
+            "t": round(r["time"] - found["launched"], 2),
+        }
         for r in found["rows"]["evals"]
     ]
     worker_log = run_dir / "rollout-worker.log"
@@ -552,6 +557,9 @@ def summary(found: dict, skip: int) -> dict:
             "launch_to_last_step_s": round(steps[-1]["t"], 1),
             "reward_first_10": round(statistics.fmean(s["reward"] for s in steps[:10]), 3),
             "reward_last_10": round(statistics.fmean(s["reward"] for s in steps[-10:]), 3),
+            "reward_last_10_steps": f"{steps[-10:][0]['step']}-{steps[-1]['step']}",
+            "completion_tokens_first_step": steps[0]["completion_tokens"],
+            "completion_tokens_last_step": steps[-1]["completion_tokens"],
         }
         if "spare_tokens" in kept[0]:
             all_tokens = [(s["completion_tokens"] + s["spare_tokens"]) / s["step_s"] for s in kept]
@@ -590,6 +598,13 @@ def summary(found: dict, skip: int) -> dict:
             figures[f"step_reaching_accuracy_{level}"] = hit and hit["step"]
         within = [e["accuracy"] for e in evals if e["t"] <= 300]
         figures["best_accuracy_within_300_s"] = max(within) if within else None
+        held_out = [e for e in evals if e.get("reward") is not None]
+        if held_out:
+            figures["held_out_reward_first"] = round(held_out[0]["reward"], 3)
+            figures["held_out_reward_best"] = round(max(e["reward"] for e in held_out), 3)
+            figures["held_out_reward_last"] = round(held_out[-1]["reward"], 3)
+            within = [e["reward"] for e in held_out if e["t"] <= 600]
+            figures["best_held_out_reward_within_600_s"] = round(max(within), 3) if within else None
     return figures
 
 

@@ -253,7 +253,7 @@ def test_the_canary_history_is_kept_like_the_metrics_a_damaged_line_never_stops_
     rows = [{"step": s, "accuracy": s / 10, "n": 4, "weights_dir": "w", "time": 0.0} for s in (10, 20, 30)]
     lines = [json.dumps(r) for r in rows]
     (tmp_path / CANARY_FILE).write_text(lines[0] + "\n" + '{"step": 15, "accura\n' + lines[1] + "\n" + lines[2] + "\n")
-    canary = Canary(cfg, held_out=[], verifier=None, sampler=object(), resumed_step=20)
+    canary = Canary(cfg, held_out=[], rewards=None, sampler=object(), resumed_step=20)
     assert canary.history == rows[:2]
     assert (tmp_path / CANARY_FILE).read_text() == lines[0] + "\n" + lines[1] + "\n"
     assert (tmp_path / f"{CANARY_FILE}.damaged-1").read_text().count("\n") == 4  # the original, whole

@@ -17,7 +17,7 @@ from local_sampler import TorchSampler
 from protocol import exit_codes
 from protocol.weights_dir import weights_content_id
 from trainer_svc.data import load_problems
-from trainer_svc.learning.rewards import Verifier
+from trainer_svc.learning.rewards import Verifier, format_ok
 from trainer_svc.rails.band import run_band
 from trainer_svc.rails.gates import GateRefused
 from trainer_svc.rollout_types import Sample
@@ -249,7 +249,13 @@ def test_a_policy_that_stops_answering_altogether_fires_the_tripwire(warm_model,
 # -- the canary ----------------------------------------------------------------------------------
 
 
-CANARY = {"train": {"steps": 6}, "canary": {"every": 2, "problems": 5}, "data": {"held_out": 8}}
+CANARY = {
+    "train": {"steps": 6},
+    "canary": {"every": 2, "problems": 5},
+    "data": {"held_out": 8},
+    # a reward that is not the accuracy: the canary's reward must be the configured one
+    "reward": {"functions": ["correct", "format"], "weights": [1.0, 0.5]},
+}
 
 
 def canary_rows(run_dir) -> list[dict]:
@@ -289,12 +295,17 @@ def test_the_canary_answers_held_out_problems_greedily(warm_model, tmp_path):
             answers = zip(call["groups"], held_out[:5], strict=True)
             right = [verifier.is_correct(g.samples[0].text, p.gold) for g, p in answers]
             assert row["accuracy"] == sum(right) / 5
+            # and the held-out reward is the configured functions' total: 1 * correct + 0.5 * (0 or -1)
+            formed = [format_ok(g.samples[0].text, g.samples[0].finish_reason) for g in call["groups"]]
+            totals = [float(r) + 0.5 * (0.0 if f else -1.0) for r, f in zip(right, formed, strict=True)]
+            assert row["reward"] == pytest.approx(sum(totals) / 5)
     # training never sampled a held-out problem
     assert not {p for c in launcher.calls("train") for p in c["prompts"]} & set(p.prompt for p in held_out)
 
     by_step = {r["step"]: r for r in metrics(cfg.run_dir)}
     assert [s for s, r in by_step.items() if "canary_accuracy" in r] == [2, 4, 6]
     assert [by_step[s]["canary_accuracy"] for s in (2, 4, 6)] == [r["accuracy"] for r in rows[1:]]
+    assert [by_step[s]["canary_reward"] for s in (2, 4, 6)] == [r["reward"] for r in rows[1:]]
     assert stage_result(cfg.run_dir)["canary_history"] == rows
 
 

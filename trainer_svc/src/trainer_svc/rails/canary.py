@@ -1,7 +1,9 @@
 """The canary: every `canary.every` steps, greedy answers to held-out problems through the
 spool, from the newest weights, rendered as training renders them. Its accuracy (canary.jsonl,
 stage_result.json) shows whether the policy improves on problems it never trained on, not only
-on its training prompts.
+on its training prompts. Each check also scores the greedy answers with the run's own reward
+functions (`reward`, the mean total): where the reward gives partial credit (steps of a multi-step
+answer right), the held-out reward moves before the all-or-nothing accuracy does.
 
 The canary of step 0 answers from the starting model; a later one only from trained weights (a
 canary due before the first trained weights exist is skipped, not run on the starting model).
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..data import DataError, Problem
-from ..learning.rewards import Verifier
+from ..learning.reward_functions import Rewards
 from ..records import StepLog
 from ..rollout.sampling import Sampler
 from ..rollout_types import Ticket, WeightsRef
@@ -24,12 +26,12 @@ CANARY_FILE = "canary.jsonl"
 
 class Canary:
     def __init__(
-        self, cfg: Config, held_out: list[Problem], verifier: Verifier, sampler: Sampler | None, resumed_step: int = 0
+        self, cfg: Config, held_out: list[Problem], rewards: Rewards, sampler: Sampler | None, resumed_step: int = 0
     ):
         """`sampler` None: a canary that never runs (ranks other than 0)."""
         self.every = cfg.canary.every if sampler is not None else 0
         self.problems = held_out[: cfg.canary.problems]  # with gold answers: `check` saw to it at launch
-        self.verifier = verifier
+        self.rewards = rewards
         self.sampler = sampler
         # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.
         self.log = StepLog(Path(cfg.run_dir) / CANARY_FILE, resumed_step) if sampler is not None else None
@@ -50,20 +52,23 @@ class Canary:
         return bool(self.every) and step % self.every == 0 and not any(h["step"] == step for h in self.history)
 
     def maybe_run(self, step: int, weights: WeightsRef) -> dict:
-        """The canary's metrics ({"canary_accuracy": ...}) when it is due at `step`, else {}."""
+        """The canary's metrics ({"canary_accuracy": ..., "canary_reward": ...}) when it is due at
+        `step`, else {}."""
         if not self.due(step) or (step > 0 and weights.step is None):
             return {}
-        return {"canary_accuracy": self.run(step, weights)["accuracy"]}
+        record = self.run(step, weights)
+        return {"canary_accuracy": record["accuracy"], "canary_reward": record["reward"]}
 
     def run(self, step: int, weights: WeightsRef) -> dict:
         call = Ticket(tuple(p.prompt for p in self.problems), weights, step, 0, 0, n=1, temperature=0.0, tag="canary")
         groups = self.sampler.collect(self.sampler.submit(call))
-        correct = [
-            self.verifier.is_correct(g.samples[0].text, p.gold) for p, g in zip(self.problems, groups, strict=True)
-        ]
+        # The verifier's verdict (the rows have golds) and the reward, as a training sample's are scored.
+        scores = self.rewards.score(self.problems, groups, f"the canary of step {step}")
+        correct = [s.correct[0] for s in scores]
         record = {
             "step": step,
             "accuracy": sum(correct) / len(correct),
+            "reward": sum(s.totals[0] for s in scores) / len(scores),
             "n": len(correct),
             "weights_dir": weights.dir,
             "time": time.time(),

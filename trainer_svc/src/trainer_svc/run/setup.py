@@ -213,7 +213,7 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         weights=weights,
         sync=sync,
         sample=StepSampler(sampler, stream, scorer, cfg, dist_info, state.in_flight, state.spares),
-        canary=Canary(cfg, held_out, verifier, sampler, state.step),
+        canary=Canary(cfg, held_out, rewards, sampler, state.step),
         out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row, Tracking.open(cfg, state.step, banner))
         if dist_info.is_main
         else Outputs.silent(),
