@@ -97,8 +97,7 @@ def test_a_run_stopped_in_the_middle_of_episodes_resumes_exactly(tiny_model, tmp
 
 
 def readme_example() -> tuple[str, str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Environments: multi-turn and tools", 1)[1].split("\n### ", 1)[0]
+    section = (ROOT / "docs" / "environments.md").read_text()
     (module,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     (config,) = re.findall(r"```toml\n(.*?)```", section, flags=re.S)
     return module, config

@@ -41,7 +41,7 @@ def test_the_long_completion_config_leaves_the_micro_batch_budget_to_the_memory_
 
 
 def test_the_gpu_config_has_the_settings_the_readme_gives(monkeypatch):
-    """README, "On GPUs": temperature 0.7, lr 2e-5, 16 tokens, no compiling on either side,
+    """docs/gpus.md: temperature 0.7, lr 2e-5, 16 tokens, no compiling on either side,
     ahead = 1, slots (the default beside a spawned worker), every group trained on."""
     monkeypatch.chdir(ROOT)
     cfg = load(ROOT / "configs" / "smollm2-gpu.toml")

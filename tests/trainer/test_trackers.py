@@ -342,8 +342,7 @@ def test_a_backend_that_blocks_never_holds_the_loop_and_its_dropped_rows_are_cou
 def test_the_readmes_tracking_example_loads(tmp_path):
     from trainer_svc.config import load
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n### Tracking\n", 1)[1].split("\n### ", 1)[0]
+    section = (Path(__file__).resolve().parents[2] / "docs" / "tracking.md").read_text()
     (example,) = re.findall(r"```toml\n(.*?)```", section, flags=re.S)
     path = tmp_path / "run.toml"
     path.write_text(f'[run]\ndir = "{tmp_path}/run"\n[model]\npath = "m"\n{example}')

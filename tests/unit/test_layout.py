@@ -151,8 +151,9 @@ def test_the_trainers_parts_import_only_downwards():
     assert imports_up(graph, TRAINER_PARTS) == []
 
 
-def test_the_readmes_table_of_the_trainers_parts_matches_the_tree():
-    table = (ROOT / "README.md").read_text().split("| part | modules | what it does |\n", 1)[1].split("\n\n", 1)[0]
+def test_the_docs_table_of_the_trainers_parts_matches_the_tree():
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    table = layout.split("| part | modules | what it does |\n", 1)[1].split("\n\n", 1)[0]
     rows = re.findall(r"^\| (shared|`\w+/`) \| ([^|]+) \|", table, flags=re.M)
     listed = {part.strip("`/"): set(re.findall(r"`(\w+)`", modules)) for part, modules in rows}
     package = ROOT / "trainer_svc/src/trainer_svc"

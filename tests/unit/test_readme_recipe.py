@@ -16,8 +16,8 @@ BIN = Path(sys.executable).parent
 
 
 def recipe() -> str:
-    """The indented shell block of the README's "Submitting by hand" section."""
-    section = (ROOT / "README.md").read_text().split("### Submitting by hand", 1)[1].split("\n### ", 1)[0]
+    """The indented shell block of docs/operations.md's "Submitting by hand" section."""
+    section = (ROOT / "docs" / "operations.md").read_text().split("## Submitting by hand", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"\n((?:    .*\n)+)", section).group(1)
     return "\n".join(line[4:] for line in block.splitlines())
 

@@ -1,6 +1,6 @@
 """`trainer-svc`: train (GRPO), sft (warm-up), config (the resolved config), band, plot, import-gguf,
 merge-adapter. Heavy imports happen inside commands, so `--help` and config errors are instant. Exit codes:
-protocol.exit_codes (README table)."""
+protocol.exit_codes (the table in docs/operations.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The README's guarantees table names, for each promise, the tests that prove it: every file and
+"""The guarantees table (docs/guarantees.md) names, for each promise, the tests that prove it: every file and
 test it names exists, so a renamed or deleted test cannot leave a promise unproven unnoticed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def guarantee_rows() -> list[tuple[str, str]]:
-    section = (ROOT / "README.md").read_text().split("\n## Guarantees\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "guarantees.md").read_text()
     header = ("| guarantee", "| ---")
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(header)]
     return [tuple(cell.strip() for cell in row.strip("|").rsplit("|", 1)) for row in rows]
