@@ -77,7 +77,19 @@ class TripwireConfig(Struct):
 class LogConfig(Struct):
     """Where each step's metrics row, the banner and the resolved config go beside metrics.jsonl,
     which stays the record and is written first (trainer_svc.run.trackers). A backend that fails is
-    turned off with one warning; the run goes on."""
+    turned off with one warning; the run goes on. On a terminal a progress bar shows the steps;
+    where stderr is a file, a line per step (`every_s`)."""
+
+    every_s: Annotated[
+        NonNegativeFloat,
+        msgspec.Meta(
+            description=(
+                "where stderr is not a terminal (nohup, systemd, a scheduler's log), the fewest seconds between "
+                "two step lines in the log (step, reward, accuracy, seconds, generated tokens per second, the "
+                "longest phase); the first and last steps and each canary step are always logged. 0: every step"
+            )
+        ),
+    ] = 10.0
 
     tensorboard: Annotated[
         bool, msgspec.Meta(description="event files under <run.dir>/tensorboard (extra trainer_svc[tensorboard])")

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,14 +67,21 @@ def _mean_or_none(values: list[float]) -> float | None:
 
 class Progress:
     """A tqdm bar on a terminal. Where stderr is a file (nohup, systemd, a scheduler's log) a bar
-    would never draw: a log line per step instead, at most one every `every_s` seconds (the first
-    and the last step always), saying the step, its reward, accuracy and loss, its seconds, the
-    generated tokens per second and the phase it spent longest in."""
+    would never draw: a log line per step instead (`step_line`), at most one every `every_s`
+    seconds (`log.every_s`); the first and the last step, and a step with a canary, always."""
 
-    def __init__(self, total: int, initial: int, every_s: float = 10.0):
-        self.bar, self.total, self.every_s = None, total, every_s
-        self.last_line = float("-inf")
-        if sys.stderr.isatty():
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        every_s: float = 10.0,
+        *,
+        terminal: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.bar, self.total, self.every_s, self.clock = None, total, every_s, clock
+        self.last_line: float | None = None  # when the last step line was logged
+        if sys.stderr.isatty() if terminal is None else terminal:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
@@ -86,11 +94,17 @@ class Progress:
             )
             self.bar.update(1)
             return
-        now = time.monotonic()
-        first, last = self.last_line == float("-inf"), row.get("step", 0) >= self.total
-        if first or last or now - self.last_line >= self.every_s:
-            self.last_line = now
+        if self.due(row):
             log.info("%s", step_line(row, self.total))
+
+    def due(self, row: dict) -> bool:
+        """Whether `row` gets a log line now (and, if so, the throttle counts from now)."""
+        now = self.clock()
+        always = self.last_line is None or row.get("step", 0) >= self.total or "canary_accuracy" in row
+        if always or now - self.last_line >= self.every_s:
+            self.last_line = now
+            return True
+        return False
 
     def close(self) -> None:
         if self.bar is not None:
@@ -102,15 +116,16 @@ PHASES = ("rollout_s", "train_s", "publish_s", "save_s")
 
 def step_line(row: dict, total: int) -> str:
     """`step 12/200: reward 0.431, accuracy 0.50, loss 0.012; 0.57 s (rollout 0.31 s the longest),
-    20514 generated tokens/s`: a step as a log line."""
+    20514 generated tokens/s`: a step as a log line (`, canary 0.40` after the loss on a canary step)."""
     accuracy = f", accuracy {row['accuracy']:.2f}" if "accuracy" in row else ""
+    canary = f", canary {row['canary_accuracy']:.2f}" if "canary_accuracy" in row else ""
     reward, loss = row.get("reward_mean", float("nan")), row.get("loss", float("nan"))  # any row a caller logs
     slowest = max(PHASES, key=lambda k: row.get(k, 0.0))
     rate = ""
     if row.get("generated_tokens") and row.get("generate_s"):
         rate = f", {row['generated_tokens'] / row['generate_s']:.0f} generated tokens/s"
     return (
-        f"step {row.get('step', '?')}/{total}: reward {reward:.3f}{accuracy}, loss {loss:.3f}; "
+        f"step {row.get('step', '?')}/{total}: reward {reward:.3f}{accuracy}, loss {loss:.3f}{canary}; "
         f"{row.get('step_s', 0.0):.2f} s ({slowest.removesuffix('_s')} {row.get(slowest, 0.0):.2f} s the longest)"
         f"{rate}"
     )
@@ -152,9 +167,11 @@ class Outputs:
         resumed_step: int,
         checkpoint_row: dict | None = None,
         tracking: Any = None,
+        line_every_s: float = 10.0,
     ) -> Outputs:
+        """`line_every_s`: log.every_s, the fewest seconds between two step lines (Progress)."""
         metrics = MetricsLog(run_dir, resumed_step, checkpoint_row)
-        return cls(run_dir, metrics, Progress(total_steps, resumed_step), tracking or Silent())
+        return cls(run_dir, metrics, Progress(total_steps, resumed_step, line_every_s), tracking or Silent())
 
     @classmethod
     def silent(cls) -> Outputs:

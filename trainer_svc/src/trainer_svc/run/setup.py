@@ -214,7 +214,14 @@ def build(cfg: Config, stage: str, dist_info: Distributed, sampler: Sampler | No
         sync=sync,
         sample=StepSampler(sampler, stream, scorer, cfg, dist_info, state.in_flight, state.spares),
         canary=Canary(cfg, held_out, rewards, sampler, state.step),
-        out=Outputs.open(cfg.run_dir, cfg.train.steps, state.step, state.row, Tracking.open(cfg, state.step, banner))
+        out=Outputs.open(
+            cfg.run_dir,
+            cfg.train.steps,
+            state.step,
+            state.row,
+            Tracking.open(cfg, state.step, banner),
+            line_every_s=cfg.log.every_s,
+        )
         if dist_info.is_main
         else Outputs.silent(),
         banner=banner,
