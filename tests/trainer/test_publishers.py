@@ -1,9 +1,9 @@
 """The four forms of the weight sync through one interface (weights.publishers.base.Publisher), as
 weights.sync chooses and calls them: each publishes a step and returns what a request names,
 finds the named weights again after a resume (discarding later ones), and gives back what it
-holds at the end. Under FSDP2 (two CPU ranks over gloo) a slot publish crosses the ranks once to
-choose the slot and once to tell its outcome with the WeightsRef, and writes what one process
-writes."""
+holds at the end. Under FSDP2 (two CPU ranks over gloo) a directory, delta or adapter publish
+crosses to rank 0 and back once (its outcome with the WeightsRef), a slot publish twice (to
+choose the slot, then the outcome), and each writes what one process writes."""
 
 from __future__ import annotations
 
@@ -125,8 +125,12 @@ def test_a_slot_publish_falls_back_to_a_directory_when_no_slot_is_free(tiny_mode
     assert Path(third.dir) == cfg.publish_dir / "step_00000003" and read_manifest(third.dir).step == 3
 
 
-def test_a_slot_publish_crosses_the_ranks_once_each_way_under_fsdp(tiny_model, tmp_path):
-    cfg = config(tmp_path, tiny_model, "slot")
+ROUND_TRIPS = {"directory": 1, "delta": 1, "adapter": 1, "slot": 2}  # per publish, under FSDP2
+
+
+@pytest.mark.parametrize("form", list(ROUND_TRIPS))
+def test_a_publish_crosses_to_rank0_and_back_once_under_fsdp(tiny_model, tmp_path, form):
+    cfg = config(tmp_path, tiny_model, form)
     config_file = tmp_path / "cfg.json"
     config_file.write_bytes(msgspec.json.encode(cfg))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # both ranks on the CPU, over gloo
@@ -141,14 +145,23 @@ def test_a_slot_publish_crosses_the_ranks_once_each_way_under_fsdp(tiny_model, t
     outcome = {o["rank"]: o for o in (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
     assert sorted(outcome) == [0, 1]
     assert outcome[0]["refs"] == outcome[1]["refs"]  # every rank names the same weights
-    assert outcome[0]["broadcasts"] == outcome[1]["broadcasts"] == [2, 2]  # the slot's choice, then the outcome
+    # the object broadcasts of each publish (the tensors' gathers aside): the slot's choice, then
+    # rank 0's outcome with the WeightsRef
+    assert outcome[0]["broadcasts"] == outcome[1]["broadcasts"] == [ROUND_TRIPS[form]] * 2
+    two = [WeightsRef(**ref) for ref in outcome[0]["refs"]]
+    assert [content_id(ref) for ref in two] == [ref.content_id for ref in two]
+    if form == "delta":  # the second publish is a delta on the first
+        assert read_manifest(two[1].dir).delta_base == two[0].content_id
     # what the two ranks wrote equals what one process writes of the same model
-    single_cfg = config(tmp_path / "single", tiny_model, "slot")
+    single_cfg = config(tmp_path / "single", tiny_model, form)
     single = WeightSync(single_cfg, Distributed(0, 1, torch.device("cpu")))
     alone = single.publish(load(tiny_model, single_cfg), 1)
-    two = WeightsRef(**outcome[0]["refs"][0])
-    assert read_slot_manifest(two.dir).checksum == read_slot_manifest(alone.dir).checksum
-    assert (Path(two.dir) / SLOT_DATA).read_bytes() == (Path(alone.dir) / SLOT_DATA).read_bytes()
+    if form == "slot":
+        assert read_slot_manifest(two[0].dir).checksum == read_slot_manifest(alone.dir).checksum
+        assert (Path(two[0].dir) / SLOT_DATA).read_bytes() == (Path(alone.dir) / SLOT_DATA).read_bytes()
+    else:
+        ours, theirs = read_manifest(two[0].dir).files, read_manifest(alone.dir).files
+        assert {name: entry.crc32c for name, entry in ours.items()} == {n: e.crc32c for n, e in theirs.items()}
 
 
 def _child(config_file: str, model_dir: str) -> None:
@@ -165,8 +178,8 @@ def _child(config_file: str, model_dir: str) -> None:
     shard(model)
     sync = WeightSync(cfg, dist_info)
     calls = []
-    real = dist_info.from_rank0
-    dist_info.from_rank0 = lambda obj: (calls.append(1), real(obj))[1]  # counts the round trips to rank 0
+    real = dist.broadcast_object_list
+    dist.broadcast_object_list = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # the round trips to rank 0
     refs, broadcasts = [], []
     for step in (1, 2):
         calls.clear()

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass
@@ -70,6 +71,25 @@ def on_rank0(
     if error is not None:
         raise error
     return result
+
+
+@dataclass
+class Begun(Generic[T]):
+    """Work every rank has begun together (under FSDP2 the gathers of a publish) and rank 0
+    finishes: `finish()` on rank 0 consumes the rest of a collective stream, which the other ranks
+    `drain`; `agree` whether they must learn rank 0's outcome (see on_rank0). A caller that adds
+    its own rank-0 work (`then`) and shares the result finishes it in one round trip to rank 0."""
+
+    finish: Callable[[], T]
+    drain: Iterable = ()
+    agree: bool = False
+
+    def then(self, more: Callable[[T], U]) -> Begun[U]:
+        """The same work, with `more` run on rank 0 on what `finish` returned."""
+        return Begun(lambda: more(self.finish()), self.drain, self.agree)
+
+    def finish_on_rank0(self, dist_info: Distributed | None, what: str, *, share: bool = False) -> T | None:
+        return on_rank0(dist_info, self.finish, what, agree=self.agree, drain=self.drain, share=share)
 
 
 def init_distributed() -> Distributed:

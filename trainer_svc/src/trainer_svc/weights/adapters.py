@@ -16,6 +16,7 @@ API:
     save_adapter_files(directory, model, tensors, base_model)   # a checkpoint's adapter files
     publish_adapter(step, model, *, publish_dir, base_model, base_content_id, dist_info, run_name=None,
                     dtype=None) -> Published | None
+    begin_adapter_publish(...same...) -> Begun[Published]   # for a caller finishing it with its own rank-0 work
     write_adapter_dir(dest, tensors, config_json, *, step, content_id, adapter, base_model, dtype=None) -> Written
 
 Guarantees:
@@ -56,7 +57,7 @@ from protocol.weights_dir import (
     step_content_id,
 )
 
-from ..distributed import Distributed
+from ..distributed import Begun, Distributed
 from .atomic_dir import building, remove_stale_partials
 from .publish import Published, published_dir
 from .streaming import write_small
@@ -157,7 +158,15 @@ def save_adapter_files(directory: Path, model, tensors: dict[str, torch.Tensor],
     (Path(directory) / ADAPTER_CONFIG).write_bytes(adapter_config_json(model, base_model))
 
 
-def publish_adapter(
+def publish_adapter(step: int, model, *, dist_info: Distributed, **options) -> Published | None:
+    """Write the model's adapter as publish_dir/step_NNNNNNNN (begin_adapter_publish says the
+    options). Returns the record on rank 0, None elsewhere."""
+    return begin_adapter_publish(step, model, dist_info=dist_info, **options).finish_on_rank0(
+        dist_info, f"publish the adapter of step {step}"
+    )
+
+
+def begin_adapter_publish(
     step: int,
     model,
     *,
@@ -167,27 +176,30 @@ def publish_adapter(
     dist_info: Distributed,
     run_name: str | None = None,
     dtype: torch.dtype | None = None,
-) -> Published | None:
-    """Write the model's adapter as publish_dir/step_NNNNNNNN (replacing one of that step,
-    atomically). dtype None: the adapter's own."""
+) -> Begun[Published]:
+    """The write of the model's adapter as publish_dir/step_NNNNNNNN (replacing one of that step,
+    atomically): its tensors gathered here on every rank, written when rank 0 finishes it.
+    dtype None: the adapter's own."""
     tensors = adapter_tensors(model, dist_info)
-    if not dist_info.is_main:
-        return None
-    publish_dir = Path(publish_dir)
-    publish_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(publish_dir, STEP_PREFIX)
-    content_id = step_content_id(run_name or publish_dir.absolute().parent.name, step)
-    written = write_adapter_dir(
-        published_dir(publish_dir, step),
-        tensors,
-        adapter_config_json(model, base_model),
-        step=step,
-        content_id=content_id,
-        adapter=adapter_of(model, base_content_id),
-        base_model=base_model,
-        dtype=dtype,
-    )
-    return Published(written.path, step, content_id, written.bytes, written.seconds)
+
+    def write() -> Published:  # rank 0
+        where = Path(publish_dir)
+        where.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(where, STEP_PREFIX)
+        content_id = step_content_id(run_name or where.absolute().parent.name, step)
+        written = write_adapter_dir(
+            published_dir(where, step),
+            tensors,
+            adapter_config_json(model, base_model),
+            step=step,
+            content_id=content_id,
+            adapter=adapter_of(model, base_content_id),
+            base_model=base_model,
+            dtype=dtype,
+        )
+        return Published(written.path, step, content_id, written.bytes, written.seconds)
+
+    return Begun(write, agree=dist_info.world_size > 1)
 
 
 def write_adapter_dir(

@@ -38,7 +38,7 @@ from protocol import weight_delta
 from protocol.weights_chain import DELTA_FILE
 from protocol.weights_dir import STEP_PREFIX, step_content_id
 
-from ..distributed import Distributed, on_rank0
+from ..distributed import Begun, Distributed
 from . import publish as published
 from .atomic_dir import building, remove_stale_partials
 from .streaming import write_small
@@ -89,6 +89,15 @@ class DeltaWriter:
         self.held, self.held_id, self.spare, self.since_anchor = None, None, None, 0
 
     def publish(
+        self, step: int, tensors, *, dist_info: Distributed | None = None, **options
+    ) -> published.Published | None:
+        """Publish `tensors` as step `step` (`begin` says how). Returns the record on rank 0, None
+        elsewhere."""
+        return self.begin(step, tensors, dist_info=dist_info, **options).finish_on_rank0(
+            dist_info, f"publish step {step}"
+        )
+
+    def begin(
         self,
         step: int,
         tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream,
@@ -98,18 +107,17 @@ class DeltaWriter:
         dist_info: Distributed | None = None,
         run_name: str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> published.Published | None:
-        """Publish `tensors` as step `step`: a delta against the previous publish when it pays,
-        else whole. Returns the record on rank 0, None elsewhere."""
+    ) -> Begun[published.Published]:
+        """The publish of `tensors` as step `step`, for rank 0 to finish: a delta against the
+        previous publish when it pays, else whole. Every rank consumes the stream here (under
+        FSDP2 its gathers); rank 0 keeps the tensors and diffs and writes them when finished."""
         started = time.monotonic()
         main = dist_info is None or dist_info.is_main
         current, borrowed = _host_tensors(as_stream(tensors), dtype, keep=main, into=self.spare)
-        return on_rank0(
-            dist_info,
+        return Begun(
             lambda: self._publish(
                 step, current, borrowed, started, Path(publish_dir), Path(base_model), run_name, dtype
             ),
-            f"publish step {step}",
             agree=dist_info is not None and dist_info.world_size > 1,
         )
 

@@ -49,9 +49,9 @@ from protocol.weights_dir import (
     step_of,
 )
 
-from ..distributed import Distributed
+from ..distributed import Begun, Distributed
 from .atomic_dir import PARTIAL_SUFFIX, building, remove_stale_partials
-from .writer import TensorStream, write_weights_dir
+from .writer import TensorStream, begin_weights_dir
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,14 @@ def published_dir(publish_dir: Path, step: int) -> Path:
     return Path(publish_dir) / step_dir_name(step)
 
 
-def publish(
+def publish(step: int, tensors, *, dist_info: Distributed | None = None, **options) -> Published | None:
+    """Write `tensors` as publish_dir/step_NNNNNNNN (begin_publish says the options). Returns the
+    record on rank 0, None elsewhere."""
+    begun = begin_publish(step, tensors, dist_info=dist_info, **options)
+    return None if begun is None else begun.finish_on_rank0(dist_info, f"publish step {step}")
+
+
+def begin_publish(
     step: int,
     tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream | None,
     *,
@@ -79,8 +86,9 @@ def publish(
     omit: Iterable[str] = (),
     max_shard_bytes: int | None = None,
     checksums: bool = True,
-) -> Published | None:
-    """Write `tensors` as publish_dir/step_NNNNNNNN (replacing one of that step, atomically).
+) -> Begun[Published] | None:
+    """The write of `tensors` as publish_dir/step_NNNNNNNN (replacing one of that step, atomically),
+    begun on every rank for rank 0 to finish (writer.begin_weights_dir; None: a rank without tensors).
 
     `tensors`: iter_full_tensors(model, dist_info) on every rank (FSDP2: gathered one at a time),
     or a mapping on rank 0. dtype None: bfloat16 for CUDA tensors, the tensors' own on CPU.
@@ -88,15 +96,11 @@ def publish(
     for the default publish_dir, run_dir/weights). checksums=False leaves the crc32c checksums out of the manifest
     (they add 3-28% to a publish on a GPU host, and double it on a busy 2-core CPU: docs/BENCHMARKS.md).
     max_shard_bytes None: one shard per writer thread, written side by side (the fastest; an engine
-    reads shards as it reads one file). Returns the record on rank 0, None elsewhere."""
+    reads shards as it reads one file)."""
     publish_dir = Path(publish_dir)
-    main = dist_info is None or dist_info.is_main
-    if main:
-        publish_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(publish_dir, STEP_PREFIX)
     prefix = run_name or publish_dir.absolute().parent.name
     content_id = step_content_id(prefix, step)
-    written = write_weights_dir(
+    begun = begin_weights_dir(
         published_dir(publish_dir, step),
         tensors,
         base_model=Path(base_model),
@@ -108,9 +112,16 @@ def publish(
         checksums=checksums,
         dist_info=dist_info,
     )
-    if written is None:
+    if begun is None:
         return None
-    return Published(written.path, step, content_id, written.bytes, written.seconds)
+
+    def write() -> Published:  # rank 0
+        publish_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(publish_dir, STEP_PREFIX)
+        written = begun.finish()
+        return Published(written.path, step, content_id, written.bytes, written.seconds)
+
+    return Begun(write, begun.drain, begun.agree)
 
 
 def list_published(publish_dir: Path) -> list[Published]:

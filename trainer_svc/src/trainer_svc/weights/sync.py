@@ -30,7 +30,7 @@ from protocol.watch import filesystem_type, needs_polling
 from protocol.weight_slots import SLOT_DATA, ring_dir
 
 from ..config import Config
-from ..distributed import Distributed
+from ..distributed import Distributed, on_rank0
 from ..rollout_types import WeightsRef
 from .publishers.adapter import AdapterPublisher
 from .publishers.base import Publisher
@@ -87,7 +87,7 @@ def choose(cfg: Config, dist_info: Distributed, dtype: torch.dtype | None) -> tu
     portable = form(cfg, dist_info, dtype)
     directories = describe_weight_sync(cfg)
     # Rank 0 judges the slots' filesystem (the others may see another /dev/shm) and all follow.
-    ring, why_not = dist_info.from_rank0(slots_choice(cfg) if dist_info.is_main else None)
+    ring, why_not = on_rank0(dist_info, lambda: slots_choice(cfg), "judge publish.slots_dir", share=True)
     if ring is None:
         return portable, f"weights directories in {cfg.publish_dir} ({why_not}): {directories}"
     slots = SlotPublisher(cfg, dist_info, dtype, ring, portable)

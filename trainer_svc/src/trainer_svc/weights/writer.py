@@ -23,6 +23,7 @@ Guarantees:
 - Under FSDP2 every rank calls write_weights_dir with iter_full_tensors: each parameter is gathered
   in turn and written by rank 0, so the whole model is never in one process's memory; if rank 0
   fails, the others still finish the gathers and every rank raises (distributed.on_rank0).
+  begin_weights_dir is the same write for a caller that finishes it with its own rank-0 work.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 
 from protocol.weights_dir import COPIED_FILES, MANIFEST, FileEntry, Manifest, encode_manifest
 
-from ..distributed import Distributed, on_rank0
+from ..distributed import Begun, Distributed
 from .atomic_dir import building
 from .streaming import (
     SAFETENSORS_DTYPES,
@@ -223,7 +224,15 @@ def _collect(pairs) -> dict[str, torch.Tensor]:
         ) from exc
 
 
-def write_weights_dir(
+def write_weights_dir(dest: Path, tensors, *, dist_info: Distributed | None = None, **options) -> Written | None:
+    """Write `tensors` as an HF weights directory at `dest` (begin_weights_dir says the options).
+    With a collective stream every rank calls this; rank 0 writes and returns Written, others
+    return None. With a mapping only rank 0 needs to call it (other ranks may pass None)."""
+    begun = begin_weights_dir(dest, tensors, dist_info=dist_info, **options)
+    return None if begun is None else begun.finish_on_rank0(dist_info, f"write {dest}")
+
+
+def begin_weights_dir(
     dest: Path,
     tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream | None,
     *,
@@ -236,14 +245,13 @@ def write_weights_dir(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     checksums: bool = True,
     dist_info: Distributed | None = None,
-) -> Written | None:
-    """Write `tensors` as an HF weights directory at `dest` (see the module docstring).
+) -> Begun[Written] | None:
+    """The write of `tensors` as an HF weights directory at `dest` (see the module docstring),
+    checked and planned on every rank, for rank 0 to finish (None: a rank without tensors).
 
     `dtype` is the dtype written (None: bfloat16 for CUDA tensors, the tensors' own on CPU).
     `max_shard_bytes` None spreads the weights over one shard per writer thread (at least
-    MIN_SPREAD_SHARD_BYTES each), which are then written side by side: the fastest layout.
-    With a collective stream every rank calls this; rank 0 writes and returns Written, others
-    return None. With a mapping only rank 0 needs to call it (other ranks may pass None)."""
+    MIN_SPREAD_SHARD_BYTES each), which are then written side by side: the fastest layout."""
     started = time.monotonic()
     dest = Path(dest)
     main = dist_info is None or dist_info.is_main
@@ -266,14 +274,12 @@ def write_weights_dir(
         max_shard_bytes = max(MIN_SPREAD_SHARD_BYTES, -(-total // writer_threads()))
     shards = _plan_shards(stream.specs, target, max_shard_bytes)
     source = stream.fetch([spec.name for spec in _side_by_side(shards)])
-    return on_rank0(
-        dist_info,
+    return Begun(
         lambda: _write(
             dest, source, shards, Path(base_model), step, content_id, target, chunk_bytes, checksums, started
         ),
-        f"write {dest}",
-        agree=stream.collective and dist_info is not None and dist_info.world_size > 1,
-        drain=source,
+        drain=source if stream.collective else (),
+        agree=stream.collective,  # collective only with several ranks and dist_info (checked above)
     )
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from protocol.weights_dir import weights_content_id
 
-from ..adapters import publish_adapter
+from ...distributed import Begun
+from ..adapters import begin_adapter_publish
 from ..publish import Published
 from .directory import DirectoryPublisher
 
@@ -21,5 +22,5 @@ class AdapterPublisher(DirectoryPublisher):
     def describe(self) -> str:
         return f"LoRA adapter directories in {self.dir} (rank {self.cfg.lora.rank}, on base {self.base_content_id})"
 
-    def write(self, model, step: int) -> Published | None:
-        return publish_adapter(step, model, base_content_id=self.base_content_id, **self._where())
+    def begin(self, model, step: int) -> Begun[Published]:
+        return begin_adapter_publish(step, model, base_content_id=self.base_content_id, **self._where())

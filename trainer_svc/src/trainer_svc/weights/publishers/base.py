@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from ...config import Config
-from ...distributed import Distributed
+from ...distributed import Distributed, on_rank0
 from ...rollout_types import WeightsRef
 
 
@@ -57,10 +57,13 @@ class Publisher(ABC):
         else put back from the checkpoint's copy, else published anew from the restored weights.
         Weights published after `step` are discarded: they came from steps this run will take
         again."""
-        ref = None
-        if self.dist_info.is_main:
-            ref = self.resumed(step, WeightsRef(**rollout_weights) if rollout_weights else None, checkpoint)
-        ref = self.dist_info.from_rank0(ref)
+        named = WeightsRef(**rollout_weights) if rollout_weights else None
+        ref = on_rank0(
+            self.dist_info,
+            lambda: self.resumed(step, named, checkpoint),
+            f"find the weights of step {step}",
+            share=True,
+        )
         return ref if ref is not None else self.publish(model, step)
 
     def close(self, run_over: bool) -> None:  # noqa: B027 - most forms hold nothing to give back

@@ -6,6 +6,7 @@ which the workers rebuild from the chain. Pruning keeps a named delta's links ba
 
 from __future__ import annotations
 
+from ...distributed import Begun
 from ..deltas import DeltaWriter
 from ..publish import Published
 from ..writer import iter_full_tensors
@@ -25,5 +26,5 @@ class DeltaPublisher(DirectoryPublisher):
     def what(cls, cfg) -> str:
         return f"sparse deltas, a full anchor every {cfg.publish.delta_anchor_every} publishes"
 
-    def write(self, model, step: int) -> Published | None:
-        return self.writer.publish(step, iter_full_tensors(model, self.dist_info), **self._where())
+    def begin(self, model, step: int) -> Begun[Published]:
+        return self.writer.begin(step, iter_full_tensors(model, self.dist_info), **self._where())

@@ -4,6 +4,8 @@ writes it, manifest last, renamed into place), read by any worker, eval job or p
 Guarantees:
 - Every rank gets the same WeightsRef, once rank 0 has pruned the older publishes (never the
   newest `publish.keep_last`, never one a pending or claimed request names: protocol.spool_names).
+- One round trip to rank 0 per publish (delta and adapter publishes too): rank 0's outcome of the
+  write and the prune comes back to every rank with the WeightsRef in one broadcast.
 - A resume names the weights the requests named (same step and content id) when a worker holding
   nothing can load them (for a delta, its whole chain back to an anchor), else a copy the
   checkpoint kept, put back byte for byte, else nothing (the restored weights are published anew).
@@ -17,6 +19,7 @@ from pathlib import Path
 from protocol import weight_delta, weights_chain
 from protocol.weights_dir import MANIFEST
 
+from ...distributed import Begun
 from ...rollout_types import WeightsRef
 from .. import publish as published
 from ..checkpoint import ROLLOUT_WEIGHTS
@@ -38,16 +41,19 @@ class DirectoryPublisher(Publisher):
         return "full directories"
 
     def publish(self, model, step: int) -> WeightsRef:
-        record = self.write(model, step)
-        ref = None
-        if record is not None:  # rank 0
-            published.prune_published(self.dir, self.cfg.publish.keep_last, self.cfg.spool_dir)
-            ref = WeightsRef(str(record.path), record.content_id, record.step)
-        return self.dist_info.from_rank0(ref)
+        # The write, the prune and the WeightsRef in one round trip to rank 0: every rank learns
+        # rank 0's outcome and the ref in the same broadcast.
+        begun = self.begin(model, step).then(self._pruned)
+        return begun.finish_on_rank0(self.dist_info, f"publish step {step}", share=True)
 
-    def write(self, model, step: int) -> published.Published | None:
-        """Every rank: the directory of `step`; its record on rank 0, None elsewhere."""
-        return published.publish(step, iter_full_tensors(model, self.dist_info), **self._where())
+    def begin(self, model, step: int) -> Begun[published.Published]:
+        """Every rank: the publish of `step` begun (under FSDP2, the gathers), for rank 0 to finish."""
+        return published.begin_publish(step, iter_full_tensors(model, self.dist_info), **self._where())
+
+    def _pruned(self, record: published.Published) -> WeightsRef:
+        """Rank 0, once `record` is written: the older publishes pruned; what the requests name now."""
+        published.prune_published(self.dir, self.cfg.publish.keep_last, self.cfg.spool_dir)
+        return WeightsRef(str(record.path), record.content_id, record.step)
 
     def _where(self) -> dict:
         return {
