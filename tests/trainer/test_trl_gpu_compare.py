@@ -106,7 +106,8 @@ def test_summary_gives_the_held_out_reward_and_the_first_and_last_steps_lengths(
     steps = [{"step": i, "t": 10.0 * i, "step_s": 1.0, "reward": i / 20, "completion_tokens": 100 * i}
              for i in range(1, 16)]  # fmt: skip
     evals = [{"step": 0, "accuracy": 0.0, "reward": 0.1, "t": 5.0},
-             {"step": 5, "accuracy": 0.0, "reward": 0.4, "t": 55.0}, {"step": 15, "accuracy": 0.1, "reward": 0.3, "t": 700.0}]  # fmt: skip
+             {"step": 5, "accuracy": 0.0, "reward": 0.4, "t": 55.0},
+             {"step": 15, "accuracy": 0.1, "reward": 0.3, "t": 700.0}]  # fmt: skip
     figures = compare.summary({"exit": 0, "steps": steps, "evals": evals}, skip=0)
     assert (figures["held_out_reward_first"], figures["held_out_reward_best"], figures["held_out_reward_last"]) == (
         0.1, 0.4, 0.3)  # fmt: skip
