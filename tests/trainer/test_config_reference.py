@@ -3,6 +3,7 @@ field of every section, and docs/config.md is what the code writes today."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import msgspec
 import pytest
 
 from trainer_svc.config import TrainConfig, load
-from trainer_svc.config.reference import REGENERATE, fields, markdown, sections
+from trainer_svc.config.reference import REGENERATE, code_placeholders, fields, markdown, sections
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,3 +73,11 @@ def test_the_config_command_prints_each_keys_value_default_and_description(monke
     )
     assert f'dir = "{cfg.run.dir}"' in lines and cfg.run.dir != "runs/demo"  # resolved, as the run sees it
     assert "[env]  # unset" in lines and "[train]" in lines
+
+
+def test_placeholders_show_in_markdown_as_code():
+    # Markdown reads a bare <run.dir> as an HTML tag and shows nothing: outside code spans, no "<word>".
+    outside_code = re.sub(r"`[^`]*`", "", (ROOT / "docs" / "config.md").read_text())
+    assert not re.findall(r"<[\w.-]+>", outside_code)
+    assert code_placeholders("default <run.dir>/spool.") == "default `<run.dir>/spool`."
+    assert code_placeholders("(<x>) and `<y>` and a < b") == "(`<x>`) and `<y>` and a < b"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import sys
 import types
 import typing
@@ -19,6 +20,15 @@ import msgspec
 from .root import Config
 
 REGENERATE = "python -m trainer_svc.config.reference docs/config.md"
+
+# A word holding a placeholder such as <run.dir>/spool, which Markdown would read as an HTML tag
+# and drop; trailing punctuation stays outside. Code spans (`...`) are matched first and kept.
+_PLACEHOLDER_OR_CODE = re.compile(r"(`[^`]*`)|([^\s`(]*<[\w.-]+>[^\s`]*?)(?=[.,;:)]?(?:\s|$))")
+
+
+def code_placeholders(text: str) -> str:
+    """`text` with each word that holds a <placeholder> set as code, so Markdown shows it."""
+    return _PLACEHOLDER_OR_CODE.sub(lambda m: m.group(1) or f"`{m.group(2)}`", text)
 
 
 @dataclass(frozen=True)
@@ -125,14 +135,14 @@ def markdown() -> str:
         by_section.setdefault(doc.section, []).append(doc)
     for section, struct, optional in sections():
         lines += ["", f"## [{section}]", ""]
-        text = section_doc(struct)
+        text = code_placeholders(section_doc(struct))
         if optional:
             text += ("\n\n" if text else "") + "Optional: left out, the section is unset."
         if text:
             lines += [text, ""]
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
         for doc in by_section[section]:
-            cells = [f"`{doc.name}`", doc.type, f"`{doc.default}`", doc.description]
+            cells = [f"`{doc.name}`", doc.type, f"`{doc.default}`", code_placeholders(doc.description)]
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
