@@ -52,11 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import start_worker, stop, wait_until  # noqa: E402
-from vllm_gpu import gpu_name, say  # noqa: E402
+from bench.common import ROOT, gpu_name, say
+from bench.workers import start_worker, stop, wait_until
 
 TARGET_RATIO = 0.95
 MAX_MODEL_LEN = 2048
@@ -136,11 +133,11 @@ def direct(dirs: list[Path], prompts: list[str], root: Path, args, sleep_level: 
     out = root / f"direct-{sleep_level}.json"
     inputs = root / "direct-inputs.json"
     inputs.write_text(json.dumps({"dirs": [str(d) for d in dirs], "prompts": prompts, "root": str(root)}))
-    command = [sys.executable, __file__, "--direct-child", str(inputs), "--json", str(out),
+    command = [sys.executable, "-m", "bench.generation_gap_gpu", "--direct-child", str(inputs), "--json", str(out),
                "--samples", str(args.samples), "--tokens", str(args.tokens), "--sleep-level", str(sleep_level),
                "--temperature", str(args.temperature), "--model", str(args.model),
                "--generations", args.generations] + (["--no-compile"] if args.no_compile else [])  # fmt: skip
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=ROOT)
     return json.loads(out.read_text())
 
 

@@ -22,10 +22,8 @@ from pathlib import Path
 
 import msgspec
 
+from bench.common import ROOT
 from protocol.weights_dir import step_dir_name
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "trainer"))
 
 
 def config(run_dir: Path, model: Path, steps: int):
@@ -54,10 +52,10 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     import torch
-    from local_sampler import TorchSampler
     from safetensors.torch import load_file
 
     from rollout_svc.tiny_model import build
+    from tests.trainer.local_sampler import TorchSampler  # the trainer tests' deterministic sampler
     from trainer_svc.run.loop import train
 
     root = Path(tempfile.mkdtemp(prefix="gpu-trainer-"))

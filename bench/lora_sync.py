@@ -24,16 +24,12 @@ import json
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import report  # noqa: E402
-from publish_reload_slots import base_model, say  # noqa: E402 (borrows crc32c from the trainer's venv too)
+from bench.common import report, say
+from bench.publish_reload_slots import base_model  # borrows crc32c from the trainer's venv too
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -31,18 +31,12 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+from bench.common import ROOT, TRAINER, report, say
+from tests.run_config import merge, to_toml  # the tests' trainer configs
 
-from common import report  # noqa: E402
-from run_config import merge, to_toml  # noqa: E402
-
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
 TARGET = 0.05
 LABELS = {
     "full": "full model, lr 1e-4, shared-memory slots",
@@ -50,10 +44,6 @@ LABELS = {
     "lora": "LoRA rank 8, lr 1e-3, adapter directories",
     "lora-demo-lr": "LoRA rank 8, lr 1e-4 (the demo's), adapter directories",
 }
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def demo_sections() -> dict[str, dict]:

@@ -20,17 +20,14 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
-
-from protocol.weights_dir import step_dir_name  # noqa: E402
+from bench.common import ROOT, gpu_name, say
+from bench.models import QWEN_SHAPES as SHAPES
+from bench.models import qwen_config
+from protocol.weights_dir import step_dir_name
 
 TARGET_S = 1.5
 
@@ -38,21 +35,19 @@ TARGET_S = 1.5
 def base_model(root: Path, shape: str) -> tuple[Path, object]:
     """A directory with the config and tokenizer (what a publish copies), and the model on the GPU."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
+    from bench.models import QWEN_VOCAB
     from rollout_svc.tiny_model import write_tokenizer
 
-    config = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
-    )  # fmt: skip
+    config = qwen_config(SHAPES[shape])
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     base = root / f"{shape}-base"
     base.mkdir()
     config.save_pretrained(base)
-    write_tokenizer(base, max_positions=2048, vocab_size=VOCAB)
+    write_tokenizer(base, max_positions=2048, vocab_size=QWEN_VOCAB)
     return base, model
 
 

@@ -26,27 +26,15 @@ import argparse
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import borrow_from_trainer_venv, report, say
 
-from common import report  # noqa: E402
-
-try:  # the trainer's writer needs crc32c, which only the trainer's venv holds: borrow that one module
-    import crc32c  # noqa: F401
-except ImportError:
-    sys.path.extend(str(p) for p in (ROOT / ".venvs" / "trainer" / "lib").glob("python3*/site-packages"))
-    import crc32c  # noqa: F401
+borrow_from_trainer_venv("crc32c")  # the trainer's writers need it; only the trainer's venv holds it
 
 SHAPES = {"tiny": dict(hidden=128, layers=2), "mid": dict(hidden=768, layers=12)}
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def base_model(root: Path, shape: str, device: str) -> Path:
@@ -59,7 +47,7 @@ def base_model(root: Path, shape: str, device: str) -> Path:
         return build(root / shape, seed=0, hidden=hidden, layers=layers, intermediate=3 * hidden, init_std=0.3)
     if device == "cpu":
         raise SystemExit(f"shape {shape} is for a GPU; on a CPU use {', '.join(SHAPES)}")
-    from publish_reload_gpu import base_model as qwen_base
+    from bench.publish_reload_gpu import base_model as qwen_base
 
     base, model = qwen_base(root, shape)
     from safetensors.torch import save_file

@@ -14,10 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import report  # noqa: E402
+from bench.common import ROOT, report
 
 TRANSFORMERS = """
 import json, sys, time

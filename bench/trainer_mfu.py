@@ -35,14 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
+from bench.common import gpu_name, say
+from bench.models import QWEN_SHAPES as SHAPES
+from bench.models import QWEN_VOCAB as VOCAB
+from bench.models import qwen_config
 
 PEAK_BF16_FLOPS = 989.4e12
 TARGET_MFU = 0.40
@@ -71,12 +70,9 @@ def synchronize() -> None:
 
 def make_model(shape: str, checkpointing: bool, compiled: bool):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **MFU_SHAPES[shape],
-    )  # fmt: skip
+    config = qwen_config(MFU_SHAPES[shape])
     torch.manual_seed(0)
     with torch.device(device()):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)

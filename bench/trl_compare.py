@@ -33,13 +33,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+from bench.common import ROOT, TRAINER, VENVS, sources_first
+
+TRL_PYTHON = VENVS / "bench-trl" / "bin" / "python"
 WORK = ROOT / "runs" / "bench-trl-compare"
 TARGET_REWARD = 0.9
 WINDOW = 10
@@ -57,7 +56,6 @@ def trl_worker(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(spec["threads"])
-    sys.path.insert(0, str(ROOT / "protocol" / "src"))
     from protocol.answers import extract_answer, verdict
 
     def correct(completions, gold, **_) -> list[float]:
@@ -128,14 +126,14 @@ def trl_worker(spec: dict) -> None:
 # -- the orchestrator: runs in .venvs/trainer ---------------------------------------------------
 
 
-def timed(command: list[str], metrics: Path, log: Path) -> tuple[list[dict], float]:
+def timed(command: list[str], metrics: Path, log: Path, env=None) -> tuple[list[dict], float]:
     """Run `command`; each line of `metrics` stamped with `t` (seconds since launch) as it
     appears. Returns the rows and the whole command's seconds."""
     started = time.monotonic()
     rows: list[dict] = []
     seen = 0
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out)
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out, env=env)
         while True:
             finished = proc.poll() is not None
             if metrics.exists():
@@ -183,7 +181,7 @@ def figures(rows: list[dict], reward_key: str, total_s: float) -> dict:
 
 
 def ours(work: Path, model: Path, seed: int, steps: int) -> dict:
-    from learning_ahead import demo_config
+    from bench.learning_ahead import demo_config
 
     run_dir = work / f"ours-seed{seed}-{time.monotonic_ns()}"
     config = demo_config(work / f"{run_dir.name}.toml", run_dir, model, run={"seed": seed}, train={"steps": steps})
@@ -223,8 +221,10 @@ def trl(work: Path, model: Path, seed: int, steps: int, threads: int) -> dict:
     assert cfg.loss.denominator == "token" and cfg.loss.advantage_norm == "std" and cfg.train.updates_per_batch == 1
     spec_path = work / f"{name}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    command = [str(TRL_PYTHON), str(Path(__file__).resolve()), "--trl-worker", str(spec_path)]
-    rows, total_s = timed(command, Path(spec["metrics"]), work / f"{name}.log")
+    command = [str(TRL_PYTHON), "-m", "bench.trl_compare", "--trl-worker", str(spec_path)]
+    rows, total_s = timed(
+        command, Path(spec["metrics"]), work / f"{name}.log", env=sources_first(os.environ, "protocol")
+    )  # TRL's venv has none
     return figures(rows, "reward", total_s) | {"rows": rows}
 
 
@@ -241,8 +241,8 @@ def main() -> None:
         return
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-trl` first")
-    from learning_ahead import WORK as WARM_UP_WORK
-    from learning_ahead import warm_up
+    from bench.learning_ahead import WORK as WARM_UP_WORK
+    from bench.learning_ahead import warm_up
 
     os.chdir(ROOT)
     WORK.mkdir(parents=True, exist_ok=True)

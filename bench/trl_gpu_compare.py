@@ -65,7 +65,8 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, sources_first
+
 CPU_TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
 LEVELS = (0.8, 0.85)
 
@@ -335,7 +336,6 @@ def trl_worker(spec: dict) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(ROOT / "protocol" / "src"))
     from protocol.answers import extract_answer, verdict
 
     gpu = torch.cuda.is_available()
@@ -503,12 +503,12 @@ def run_trl(raw: dict, work: Path, args) -> dict:
     spec = trl_spec(raw, train, held_out, work, args)
     spec_path = work / "trl.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    env = dict(os.environ)
+    env = sources_first(os.environ, "protocol")  # for a venv of TRL's without the checkout's packages
     if not gpu_available():
         env.setdefault("OMP_NUM_THREADS", "1")
     memory = MemoryWatch()
     files = {"steps": Path(spec["metrics"]), "evals": Path(spec["evals"])}
-    command = [trl_python(args), str(Path(__file__).resolve()), "--trl-worker", str(spec_path)]
+    command = [trl_python(args), "-m", "bench.trl_gpu_compare", "--trl-worker", str(spec_path)]
     found = watch(command, files, work / "trl.log", args.timeout, env=env)
     peak = memory.stop()
     steps = [

@@ -34,26 +34,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import start_worker, stop, wait_until
+from bench.common import ROOT, gpu_name, say
+from bench.models import QWEN_SHAPES as SHAPES
+from bench.models import QWEN_VOCAB as VOCAB
+from bench.models import parameter_count, qwen_config
+from bench.workers import start_worker, stop, wait_until
 
 TARGET_THROUGHPUT_RATIO = 0.95
 TARGET_RELOAD_RATIO = 1 / 20
 MAX_MODEL_LEN = 2048
 SEED = 1234
-# Qwen2.5's published configurations (hidden sizes, layers, heads, vocabulary; tied embeddings).
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-}  # fmt: skip
-VOCAB = 151936
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 # -- models ----------------------------------------------------------------------------------------
 
 
@@ -62,15 +52,12 @@ def build_shape(root: Path, shape: str) -> dict[str, Path]:
     retok: a's shards (hard links) with another tokenizer file (a rebuild)."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rollout_svc.tiny_model import write_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    config = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
-    )  # fmt: skip
+    config = qwen_config(SHAPES[shape])
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 1.5B on a CPU takes minutes
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -91,20 +78,6 @@ def build_shape(root: Path, shape: str) -> dict[str, Path]:
     return {"a": a, "b": b, "retok": retok}
 
 
-def parameter_count(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for shard in model_dir.glob("*.safetensors"):
-        with safe_open(shard, framework="pt") as f:
-            for name in f.keys():
-                count = 1
-                for dim in f.get_slice(name).get_shape():
-                    count *= dim
-                total += count
-    return total
-
-
 # -- (a) throughput --------------------------------------------------------------------------------
 
 
@@ -117,10 +90,10 @@ def direct(model: Path, args) -> list[float]:
     """LLM.generate in a process of its own (a second engine in one process is what the worker
     avoids too), with the settings VllmEngine gives the worker's engine on a GPU."""
     out = Path(tempfile.mkstemp(prefix="direct-", suffix=".json")[1])
-    command = [sys.executable, __file__, "--direct-child", str(model), "--json", str(out),
+    command = [sys.executable, "-m", "bench.vllm_gpu", "--direct-child", str(model), "--json", str(out),
                "--prompts", str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens),
                "--repeats", str(args.repeats)]  # fmt: skip
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=ROOT)
     return json.loads(out.read_text())["rates"]
 
 
@@ -192,14 +165,6 @@ def through_spool(models: dict[str, Path], root: Path, args) -> dict:
 
 
 # -- report ----------------------------------------------------------------------------------------
-
-
-def gpu_name() -> str:
-    try:
-        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader", "-i", "0"]
-        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
 
 
 def table(figures: dict) -> str:

@@ -38,14 +38,12 @@ from pathlib import Path
 import numpy as np
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from run_config import ROLLOUT_VENV, merge, write_run_config  # noqa: E402
+from bench.common import ROOT, VENVS, sources_first
+from protocol import weight_delta, weights_chain
+from protocol.weights_dir import read_manifest
+from tests.run_config import ROLLOUT_VENV, merge, write_run_config  # the tests' trainer configs
 
-from protocol import weight_delta, weights_chain  # noqa: E402
-from protocol.weights_dir import read_manifest  # noqa: E402
-
-TRAINER_VENV = ROOT / ".venvs" / "trainer"
+TRAINER_VENV = VENVS / "trainer"
 
 
 def main() -> None:
@@ -107,13 +105,7 @@ def train(work: Path, args) -> float:
             },
         ),
     )
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(ROOT / p / "src") for p in ("protocol", "rollout_svc", "trainer_svc")]
-            + [os.environ.get("PYTHONPATH", "")]
-        ),
-    )
+    env = sources_first(os.environ, "protocol", "rollout_svc", "trainer_svc")
     started = time.monotonic()
     with open(work / "train.log", "wb") as log:
         done = subprocess.run(
@@ -195,7 +187,7 @@ def measure(publish_dir: Path, args) -> dict:
     ratios = [r["delta_over_full"] for r in rows]
     manifest = read_manifest(found[-1].path) if found else None
     return {
-        "command": " ".join(["bench/weight_deltas.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.weight_deltas", *sys.argv[1:]]),
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         "steps": len(found),
         "dtype": manifest.dtype if manifest else args.dtype,

@@ -35,19 +35,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "tests"))  # the mount helpers
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from netfs import SshServer, missing_prerequisites, sshfs_mount  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from protocol.watch import filesystem_type  # noqa: E402
-from rollout_svc.delta_load import DeltaLoader  # noqa: E402
-from rollout_svc.weight_forms import DeltaWeights, resolve  # noqa: E402
-from rollout_svc.weights import WeightsPolicy  # noqa: E402
-from trainer_svc.weights.deltas import DeltaWriter  # noqa: E402
-from trainer_svc.weights.publish import publish  # noqa: E402
+from bench.common import ROOT
+from protocol.watch import filesystem_type
+from rollout_svc.delta_load import DeltaLoader
+from rollout_svc.weight_forms import DeltaWeights, resolve
+from rollout_svc.weights import WeightsPolicy
+from tests.netfs import SshServer, missing_prerequisites, sshfs_mount  # the tests' mount helpers
+from trainer_svc.weights.deltas import DeltaWriter
+from trainer_svc.weights.publish import publish
 
 MODEL = ROOT / "build" / "smollm2-135m-instruct"
 
@@ -152,7 +150,7 @@ def main() -> None:
     full_s = median("full_publish_s", rows) + median("full_load_s", rows)
     delta_s = (median("delta_publish_s", deltas) or 0) + (median("delta_load_s", deltas) or 0)
     figures = {
-        "command": " ".join(["bench/weight_deltas_netfs.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.weight_deltas_netfs", *sys.argv[1:]]),
         "machine": f"{platform.node()}: {os.cpu_count()} cores; sshfs over loopback ({filesystem_type(base)} below)",
         "model": str(args.model.name),
         "full_bytes": full_bytes,

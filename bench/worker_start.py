@@ -25,16 +25,13 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import report, start_worker, stop, wait_until  # noqa: E402
-from generation_gap_gpu import chat_prompts  # noqa: E402
+from bench.common import report
+from bench.generation_gap_gpu import chat_prompts
+from bench.workers import start_worker, stop, wait_until
 
 LAUNCHES = ("compile-cold", "compile-warm", "no-compile")
 # Lines of the worker's log that say where its start went.

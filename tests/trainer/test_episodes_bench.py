@@ -1,4 +1,4 @@
-"""bench/episodes_echo.py runs in its tiny mode against real echo workers: every episode ends, and
+"""bench.episodes_echo runs in its tiny mode against real echo workers: every episode ends, and
 batching sends far fewer request files per turn than one request per turn, measured side by side."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_tiny_mode_runs_batching_on_and_off_side_by_side(tmp_path):
     out = tmp_path / "episodes.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "episodes_echo.py"), "--tiny", "--spool-dir", str(tmp_path),
+        [sys.executable, "-m", "bench.episodes_echo", "--tiny", "--spool-dir", str(tmp_path),
          "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())

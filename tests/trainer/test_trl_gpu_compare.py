@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import trl_gpu_compare as compare
 
-import trl_gpu_compare as compare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = ROOT / "configs" / "smollm2-gpu.toml"
 
@@ -105,7 +103,8 @@ def test_summary_times_accuracy_from_launch_and_skips_the_first_steps():
 def test_summary_gives_the_held_out_reward_and_the_first_and_last_steps_lengths():
     steps = [{"step": i, "t": 10.0 * i, "step_s": 1.0, "reward": i / 20, "completion_tokens": 100 * i}
              for i in range(1, 16)]  # fmt: skip
-    evals = [{"step": 0, "accuracy": 0.0, "reward": 0.1, "t": 5.0}, {"step": 5, "accuracy": 0.0, "reward": 0.4, "t": 55.0},
+    evals = [{"step": 0, "accuracy": 0.0, "reward": 0.1, "t": 5.0},
+             {"step": 5, "accuracy": 0.0, "reward": 0.4, "t": 55.0},
              {"step": 15, "accuracy": 0.1, "reward": 0.3, "t": 700.0}]  # fmt: skip
     figures = compare.summary({"exit": 0, "steps": steps, "evals": evals}, skip=0)
     assert (figures["held_out_reward_first"], figures["held_out_reward_best"], figures["held_out_reward_last"]) == (
