@@ -16,6 +16,9 @@ QWEN_SHAPES = {
                  num_key_value_heads=2),
 }  # fmt: skip
 QWEN_VOCAB = 151936
+# A tiny shape for the CPU checks of the scripts (their tiny modes); its figures mean nothing.
+QWEN_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)  # fmt: skip
 
 
 def build_models(root: Path, names: list[str], *, hidden: int, layers: int) -> dict[str, Path]:

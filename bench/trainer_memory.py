@@ -200,7 +200,11 @@ def main() -> None:
     parser.add_argument("--checkpointing", default="off", help="activation checkpointing: off, on, or both")
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after two untimed ones")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: --shape tiny at 4 and 8 tokens, one step")
     args = parser.parse_args()
+    if args.tiny:
+        args.shape, args.lengths, args.sequences, args.micro_batches = "tiny", "4,8", 4, 2
+        args.prompt_tokens, args.compile, args.checkpointing, args.steps = 6, "off", "off", 1
     import torch
 
     rows = []

@@ -40,19 +40,15 @@ from pathlib import Path
 
 from bench.common import gpu_name, say
 from bench.models import QWEN_SHAPES as SHAPES
+from bench.models import QWEN_TINY, qwen_config
 from bench.models import QWEN_VOCAB as VOCAB
-from bench.models import qwen_config
 
 PEAK_BF16_FLOPS = 989.4e12
 TARGET_MFU = 0.40
 STEADY = 0.05  # warm-up ends at a step within this fraction of the previous one's tokens per second
 # A tiny shape for checking the script on a CPU (`--shape tiny --sequences 8 --prompt-tokens 16
 # --completion-tokens 16`); its figures mean nothing.
-MFU_SHAPES = {
-    **SHAPES,
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1),
-}  # fmt: skip
+MFU_SHAPES = {**SHAPES, "tiny": QWEN_TINY}
 
 
 def device() -> str:
@@ -224,7 +220,11 @@ def main() -> None:
     parser.add_argument("--max-warmup", type=int, default=8, help="most untimed steps before timing")
     parser.add_argument("--profile", action="store_true", help="profile one step of the first configuration")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: --shape tiny, 8 short sequences, a step")
     args = parser.parse_args()
+    if args.tiny:
+        args.shape, args.sequences, args.prompt_tokens, args.completion_tokens = "tiny", 8, 16, 16
+        args.micro, args.checkpointing, args.compile, args.steps, args.max_warmup = "8", "off", "off", 1, 2
     import torch
 
     if args.profile:
