@@ -39,11 +39,12 @@ import torch
 from safetensors.torch import load_file
 
 from bench.common import ROOT
+from bench.models import build_models
 from protocol.watch import filesystem_type
 from rollout_svc.delta_load import DeltaLoader
 from rollout_svc.weight_forms import DeltaWeights, resolve
 from rollout_svc.weights import WeightsPolicy
-from tests.netfs import SshServer, missing_prerequisites, sshfs_mount  # the tests' mount helpers
+from tests.netfs import DIR_CACHE_S, SshServer, missing_prerequisites, sshfs_mount  # the tests' mount helpers
 from trainer_svc.weights.deltas import DeltaWriter
 from trainer_svc.weights.publish import publish
 
@@ -80,10 +81,14 @@ def main() -> None:
     parser.add_argument("--anchor-every", type=int, default=8)
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: a tiny model, 2 steps")
     args = parser.parse_args()
     missing = missing_prerequisites("sshfs")
     if missing:
         sys.exit(f"missing: {', '.join(missing)} (apt-get install sshfs openssh-server)")
+    if args.tiny:
+        args.steps, args.fraction = 2, 0.05
+        args.model = build_models(Path(tempfile.mkdtemp(prefix="deltas-netfs-model-")), ["m"], hidden=64, layers=1)["m"]
     if not (args.model / "config.json").is_file():
         sys.exit(f"{args.model} is missing: run `make real-model`")
     torch.set_num_threads(2)
@@ -117,6 +122,8 @@ def main() -> None:
                 record = publisher.publish(
                     step, tensors, publish_dir=trainer / "delta", base_model=args.model, dtype=torch.bfloat16
                 )
+                if args.tiny and step > 1:  # a tiny step outruns the worker mount's listing cache; a real one does not
+                    time.sleep(2 * DIR_CACHE_S + 0.1)
                 published = time.perf_counter()
                 form = resolve(loader.policy, str(worker / "delta" / record.path.name))  # an anchor at first
                 weights = loader.weights(form) if isinstance(form, DeltaWeights) else form.weights
