@@ -346,13 +346,35 @@ def summary(d: dict, s: dict) -> dict:
     }
 
 
+def tiny(args) -> None:
+    """--tiny, the CPU check of the script: the prompts through a tokenizer (a tiny one without
+    --model), then the report of made-up rows of both sides."""
+    from bench.tokenizer_check import tiny_tokenizer
+
+    prompts = chat_prompts(args.model or tiny_tokenizer(), 4)
+    direct_row = {"step": 1, "load_files_direct_equal": True} | {f"{g}_s": 0.1 for g in GENERATIONS}
+    direct_row |= {f"{g}_tokens": 64 for g in GENERATIONS}
+    spool_row = {"wall_s": 0.2, "queued_s": 0.01, "reload_s": 0.05, "generate_s": 0.1, "rest_s": 0.04, "tokens": 64}
+    spool = {"rows": [{"step": 1, "new": spool_row, "same": spool_row}], "log_lines": []}
+    data = {
+        "benchmark": "generation_gap_gpu",
+        "prompts": prompts,
+        "figures": summary({"build_s": 1.0, "rows": [direct_row]}, spool),
+    }
+    print(json.dumps(data))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data) + "\n")
+
+
 GENERATIONS = ("plain", "worker_params", "live", "before", "detokenized_flat", "dict_logprobs", "no_logprobs")
 SETUPS = {"dedicated": 0, "colocated": 2}  # the worker's sleep level: none, or a colocated trainer's
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="an HF model directory (bfloat16 safetensors)")
+    parser.add_argument(
+        "--model", type=Path, help="an HF model directory (bfloat16 safetensors; required but with --tiny)"
+    )
     parser.add_argument("--prompts", type=int, default=80)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
@@ -376,7 +398,13 @@ def main() -> None:
     )
     parser.add_argument("--direct-child", help=argparse.SUPPRESS)  # internal: run (a) in its own process
     parser.add_argument("--sleep-level", type=int, default=0, help=argparse.SUPPRESS)  # internal, with the above
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: the prompts, the report of made-up rows")
     args = parser.parse_args()
+    if args.tiny:
+        tiny(args)
+        return
+    if not args.model:
+        parser.error("--model is required")
     if args.direct_child:
         direct_child(args)
         return

