@@ -1,6 +1,6 @@
 """From a checkpoint directory appearing to the first result generated with its weights.
 
-    .venvs/rollout/bin/python bench/checkpoint_to_result.py [--hidden 128 --layers 2] [--checkpoints 6] [--json OUT]
+    .venvs/rollout/bin/python -m bench.checkpoint_to_result [--hidden 128 --layers 2] [--checkpoints 6] [--json OUT]
 
 A worker serves model A. Then, as a trainer does, each round writes a new checkpoint (weights
 perturbed, safetensors in a temporary sibling, renamed into place), submits one request naming

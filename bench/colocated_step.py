@@ -2,7 +2,7 @@
 next step's generation overlap this step's training and publishing? Target: step <= 1.15 x
 max(generation, train + publish).
 
-    python bench/colocated_step.py --model DIR [--steps 40] [--prompts 64] [--samples 8] [--tokens 16]
+    python -m bench.colocated_step --model DIR [--steps 40] [--prompts 64] [--samples 8] [--tokens 16]
                                    [--temperature 0.7] [--lr 2e-5] [--spares 16] [--spares-max 160]
                                    [--sleep 0] [--compile off] [--skip 5] [--json OUT]
 

@@ -1,6 +1,6 @@
 """`make demo` from scratch, timed, with what it learned: the issue's targets for the main job.
 
-    .venvs/rollout/bin/python bench/demo_learning.py [--json OUT]
+    .venvs/rollout/bin/python -m bench.demo_learning [--json OUT]
 
 Removes runs/demo and build/tiny-model, runs `make demo`, and reports the wall time (venvs
 already built), the GRPO stage's mean reward over its first and last 10 steps, and where a

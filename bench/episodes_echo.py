@@ -1,6 +1,6 @@
 """Many concurrent multi-turn episodes through the spool, their turns batched by TurnBatcher.
 
-    .venvs/trainer/bin/python bench/episodes_echo.py [--episodes 1000] [--workers 4] [--tiny] [--json OUT]
+    .venvs/trainer/bin/python -m bench.episodes_echo [--episodes 1000] [--workers 4] [--tiny] [--json OUT]
 
 `--episodes` synthetic episodes run at once against `--workers` real `rollout-svc serve --engine
 echo` processes. Each episode takes `--turns` turns: its first prompt is a few token ids; after

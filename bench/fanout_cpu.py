@@ -1,6 +1,6 @@
 """A step's generation time with one and with two vLLM CPU workers, side by side in one run.
 
-    .venvs/rollout/bin/python bench/fanout_cpu.py [--steps 8] [--rounds 2] [--json OUT]
+    .venvs/rollout/bin/python -m bench.fanout_cpu [--steps 8] [--rounds 2] [--json OUT]
 
 The demo's shape: build/tiny-model (`make tiny-model`), 16 arithmetic prompts x 8 samples x 4
 tokens at temperature 1, each step from weights the workers do not hold yet (two copies of the

@@ -1,7 +1,7 @@
 """Where a training step's generation through the spool loses time against `LLM.generate`, on one GPU,
 at a real model's shape and batch, side by side in one run.
 
-    python bench/generation_gap_gpu.py --model DIR [--prompts 80 --samples 8 --tokens 24]
+    python -m bench.generation_gap_gpu --model DIR [--prompts 80 --samples 8 --tokens 24]
                                        [--temperature 0.7] [--steps 5] [--setups dedicated,colocated]
                                        [--root /dev/shm] [--random-weights] [--no-compile]
                                        [--generations plain,worker_params,live] [--json OUT]

@@ -1,6 +1,6 @@
 """The trainer on GPUs: one GPU in bf16, then two GPUs with FSDP2 over NCCL, same config.
 
-    python bench/gpu_trainer.py --json OUT      (on a machine with 2 CUDA GPUs)
+    python -m bench.gpu_trainer --json OUT      (on a machine with 2 CUDA GPUs)
 
 The rollouts come from the deterministic transformers sampler of the trainer tests (this checks
 the trainer's GPU path: device placement, bf16, NCCL, FSDP2 sharding, activation checkpointing,

@@ -1,7 +1,7 @@
 """Learning with rollout.ahead = 1 against synchronous (ahead = 0) on the demo, seed by seed, with
 the engine/trainer correction on (loss.correction = "tis") and off ("none").
 
-    .venvs/trainer/bin/python bench/learning_ahead.py [--seeds 0 1 2] [--steps 400] [--work DIR]
+    .venvs/trainer/bin/python -m bench.learning_ahead [--seeds 0 1 2] [--steps 400] [--work DIR]
                                                       [--corrections tis none] [--json OUT]
 
 One supervised warm-up (`trainer-svc sft` on configs/demo.toml, into the work directory), then

@@ -3,7 +3,7 @@ each step publishes the full weights as a directory, then into a shared-memory s
 adapter (rank --rank on the decoder's seven linear projections), and has the engine load each.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
-        .venvs/rollout/bin/python bench/lora_sync.py [--shapes tiny,mid] [--steps 6] [--rank 8] [--json OUT]
+        .venvs/rollout/bin/python -m bench.lora_sync [--shapes tiny,mid] [--steps 6] [--rank 8] [--json OUT]
 
 Shapes as bench/publish_reload_slots.py: `tiny` (build/tiny-model's Llama, 0.46M parameters) and
 `mid` (the same Llama at hidden 768, 12 layers: 85M parameters, 340 MB in float32). One engine

@@ -3,7 +3,7 @@ spawned vLLM worker, 16 prompts x 8 samples, ahead = 1, spare prompts, tis), onc
 whole model and once a LoRA adapter; the weight sync's cost and the rewards side by side.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
-        .venvs/rollout/bin/python bench/lora_vs_full.py [--steps 200] [--rank 8] [--lora-lr 1e-3]
+        .venvs/rollout/bin/python -m bench.lora_vs_full [--steps 200] [--rank 8] [--lora-lr 1e-3]
                                                         [--out /tmp/bench-lora] [--png docs/lora_vs_full.png]
                                                         [--json OUT]
 

@@ -2,7 +2,7 @@
 (trainer_svc.weights.sync's writer: bf16 from the GPU, one directory per step) and a vLLM engine
 (rollout_svc's VllmEngine, what the worker runs) reloads them in place and verifies them.
 
-    python bench/publish_reload_gpu.py [--shape 1.5b] [--media /dev/shm,build] [--steps 5]
+    python -m bench.publish_reload_gpu [--shape 1.5b] [--media /dev/shm,build] [--steps 5]
                                        [--writer-threads 4,8] [--json OUT]
 
 A Qwen2.5-shaped model, random-initialised on the GPU (no download), plays the trainer's policy;

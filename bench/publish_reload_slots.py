@@ -3,7 +3,7 @@ reload) against a shared-memory slot (slot publish + the engine's slot load), wi
 each step doing both, in turn.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
-        .venvs/rollout/bin/python bench/publish_reload_slots.py [--device cpu|cuda] [--shapes tiny,mid]
+        .venvs/rollout/bin/python -m bench.publish_reload_slots [--device cpu|cuda] [--shapes tiny,mid]
                                                                 [--steps 8] [--shm /dev/shm] [--json OUT]
 
 Shapes: `tiny` (build/tiny-model's, 0.46M parameters), `mid` (the same Llama at hidden 768, 12

@@ -1,6 +1,6 @@
 """Spool under load: echo workers and producers, with done/ empty and with done/ full.
 
-    .venvs/rollout/bin/python bench/spool_load.py [--requests 20000] [--done-files 100000] [--json OUT]
+    .venvs/rollout/bin/python -m bench.spool_load [--requests 20000] [--done-files 100000] [--json OUT]
 
 (a) Load: two runs on two fresh spools, otherwise alike: `--workers` (4) real `rollout-svc serve
     --engine echo` processes and `--producers` (2) producer processes, which submit `--requests`

@@ -1,6 +1,6 @@
 """The spool on an sshfs mount against local disk, in one run: round trip and 4-worker throughput.
 
-    .venvs/rollout/bin/python bench/spool_netfs.py [--round-trips N] [--requests N] [--json OUT]
+    .venvs/rollout/bin/python -m bench.spool_netfs [--round-trips N] [--requests N] [--json OUT]
 
 The sshfs mount is the tests' (tests/netfs.py): an sshd of its own on a loopback port with
 throwaway keys, the caches on (attributes and listings 1 s, names 60 s, absent names 600 s).

@@ -1,6 +1,6 @@
 """Spool benchmarks: durable publish, round trip with one echo worker, sustained throughput.
 
-    .venvs/rollout/bin/python bench/spool_roundtrip.py [--requests N] [--spool-dir BASE] [--json OUT]
+    .venvs/rollout/bin/python -m bench.spool_roundtrip [--requests N] [--spool-dir BASE] [--json OUT]
 
 (a) publish: one durable file publish (write, fsync, link, fsync directory), as a result is
     published, on the spool's filesystem; p50 and p99.

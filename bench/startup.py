@@ -1,7 +1,7 @@
 """Launch to first step: how long `trainer-svc train` takes from its start to its first step's
 metrics line, for the trainer code of two git revisions, alternating, in one run.
 
-    .venvs/trainer/bin/python bench/startup.py --before REV [--rounds 2] [--json OUT]
+    .venvs/trainer/bin/python -m bench.startup --before REV [--rounds 2] [--json OUT]
 
 Each launch is a fresh run directory on the demo's config (configs/demo.toml, 2 steps) from the
 demo's warm-up model (runs/demo/sft-model: run `make demo` once first). "before" runs the trainer

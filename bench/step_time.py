@@ -2,7 +2,7 @@
 prompts (rollout.spare_prompts), on the demo's config, side by side in one run: the target is a
 step of at most 1.15 x max(generation, training).
 
-    .venvs/trainer/bin/python bench/step_time.py [--steps 100] [--rounds 2] [--json OUT]
+    .venvs/trainer/bin/python -m bench.step_time [--steps 100] [--rounds 2] [--json OUT]
 
 Each launch is a fresh run directory on configs/demo.toml (train.steps = --steps) from the demo's
 warm-up model (runs/demo/sft-model: run `make demo` once first); the two settings alternate,

@@ -1,7 +1,7 @@
 """Trainer/engine logprob mismatch with a fresh weight sync and with one a step stale: the figures
 behind the bound of tests/e2e/test_trainer_smoke.py.
 
-    .venvs/rollout/bin/python bench/sync_mismatch.py [--steps 20] [--keep DIR]
+    .venvs/rollout/bin/python -m bench.sync_mismatch [--steps 20] [--keep DIR]
 
 The smoke test's setting (tiny model warmed up by `trainer-svc sft`, 16 prompts x 8 samples,
 lr 1e-4, a spawned vLLM worker). "fresh" publishes every step, so each step samples from the

@@ -2,7 +2,7 @@
 through transformers (its import, then AutoTokenizer) against the `tokenizers` library
 (rollout_svc.engines.tokenizer_check.tokenizer_size), each in a fresh interpreter, in turn.
 
-    .venvs/rollout/bin/python bench/tokenizer_check.py [--model build/smollm2-135m-instruct] [--rounds 3] [--json OUT]
+    .venvs/rollout/bin/python -m bench.tokenizer_check [--model build/smollm2-135m-instruct] [--rounds 3] [--json OUT]
 """
 
 from __future__ import annotations

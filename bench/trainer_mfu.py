@@ -1,7 +1,7 @@
 """The trainer's GRPO step on one GPU at a real shape: tokens per second and model FLOPs
 utilisation (MFU) against the card's bf16 peak.
 
-    python bench/trainer_mfu.py [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
+    python -m bench.trainer_mfu [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
                                 [--completion-tokens 768] [--micro 8,16] [--checkpointing on,off]
                                 [--compile on,off] [--steps 10] [--max-warmup 8] [--json OUT]
 

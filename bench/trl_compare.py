@@ -2,7 +2,7 @@
 run: seconds per step and wall time to reward 0.9.
 
     make bench-trl                                     # once: .venvs/bench-trl, TRL and torch
-    .venvs/trainer/bin/python bench/trl_compare.py [--steps 400] [--rounds 1] [--json OUT]
+    .venvs/trainer/bin/python -m bench.trl_compare [--steps 400] [--rounds 1] [--json OUT]
 
 Both start from the same supervised warm-up (bench/learning_ahead.py's, made once) and train on
 the same prompts (the training split of trainer_svc.data's arithmetic task for run.seed), with

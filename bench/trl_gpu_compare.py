@@ -2,9 +2,9 @@
 step, generated tokens per second, held-out greedy accuracy against wall time from launch, launch
 to first step and peak GPU memory.
 
-    python bench/trl_gpu_compare.py --side ours [--config configs/smollm2-gpu.toml] [--steps 120] --json ours.json
-    python bench/trl_gpu_compare.py --side trl  [--config configs/smollm2-gpu.toml] [--steps 120] --json trl.json
-    python bench/trl_gpu_compare.py --plot ours.json trl.json --png docs/smollm2_gpu_vs_trl.png
+    python -m bench.trl_gpu_compare --side ours [--config configs/smollm2-gpu.toml] [--steps 120] --json ours.json
+    python -m bench.trl_gpu_compare --side trl  [--config configs/smollm2-gpu.toml] [--steps 120] --json trl.json
+    python -m bench.trl_gpu_compare --plot ours.json trl.json --png docs/smollm2_gpu_vs_trl.png
 
 One side per command (each is one launch, timed from the command that starts it; the GPU host
 allows 10 minutes a command). On a machine without a GPU a small mode checks the script:

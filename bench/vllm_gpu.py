@@ -1,7 +1,7 @@
 """vLLM on one GPU at real model shapes: generation through the spool against `LLM.generate`, and
 an in-place weight reload against an engine rebuild, for the Qwen2.5-0.5B and -1.5B shapes.
 
-    python bench/vllm_gpu.py [--shapes 0.5b,1.5b] [--prompts 256 --samples 8 --tokens 128]
+    python -m bench.vllm_gpu [--shapes 0.5b,1.5b] [--prompts 256 --samples 8 --tokens 128]
                              [--repeats 2] [--reloads 4] [--json OUT]
 
 Models are built here, nothing is downloaded: Qwen2 configs of those shapes, random weights saved

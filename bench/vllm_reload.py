@@ -1,6 +1,6 @@
 """In-place weight reload against an engine rebuild, in one process, same model shape.
 
-    .venvs/rollout/bin/python bench/vllm_reload.py [--hidden 128 --layers 2] [--reloads 10] [--json OUT]
+    .venvs/rollout/bin/python -m bench.vllm_reload [--hidden 128 --layers 2] [--reloads 10] [--json OUT]
 
 The engine is rollout_svc's VllmEngine, so each reload includes what the worker does: inspect
 the directory, reload_weights in place, reset the prefix cache, and verify the live tensors

@@ -1,6 +1,6 @@
 """Generation throughput through the spool against LLM.generate in one process, same batch.
 
-    .venvs/rollout/bin/python bench/vllm_throughput.py [--prompts 64 --samples 8 --tokens 64] [--repeats 3] [--json OUT]
+    .venvs/rollout/bin/python -m bench.vllm_throughput [--prompts 64 --samples 8 --tokens 64] [--repeats 3] [--json OUT]
 
 Direct: vLLM's `LLM` built with the worker's engine settings, `generate` on the batch.
 Spool: a `rollout-svc serve --engine vllm` worker; the producer submits the batch as one

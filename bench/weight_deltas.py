@@ -1,7 +1,7 @@
 """Sparse weight deltas on real training: how much of the weights changes per step, and what a
 delta costs to encode and to apply.
 
-    .venvs/rollout/bin/python bench/weight_deltas.py [--steps 40] [--dtype float32|bfloat16]
+    .venvs/rollout/bin/python -m bench.weight_deltas [--steps 40] [--dtype float32|bfloat16]
         [--delta off|on] [--config configs/demo.toml] [--model runs/demo/sft-model] [--json OUT]
 
 Runs `trainer-svc train` with the demo's config (configs/demo.toml: the tiny model, GRPO on CPU,

@@ -2,7 +2,7 @@
 loading on another (two hosts' views of one export), SmolLM2-135M in bfloat16.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \
-        .venvs/trainer/bin/python bench/weight_deltas_netfs.py [--steps 8] [--fraction 0.02] [--json OUT]
+        .venvs/trainer/bin/python -m bench.weight_deltas_netfs [--steps 8] [--fraction 0.02] [--json OUT]
 
 (both services' code on the path: the trainer's publisher and the worker's loader run here side by
 side; each venv holds its own service only.)

@@ -1,8 +1,8 @@
 """Publishing weights: trainer_svc.weights.writer against save_pretrained and the medium's raw speed.
 
-    .venvs/trainer/bin/python bench/weights_writer.py [--shapes tiny,llama-100m] [--media DISK_DIR,/dev/shm]
+    .venvs/trainer/bin/python -m bench.weights_writer [--shapes tiny,llama-100m] [--media DISK_DIR,/dev/shm]
                                                       [--repeats 5] [--json OUT]
-    python bench/weights_writer.py --shapes qwen2.5-0.5b,qwen2.5-1.5b     (on a GPU host: CUDA tensors, bf16)
+    python -m bench.weights_writer --shapes qwen2.5-0.5b,qwen2.5-1.5b     (on a GPU host: CUDA tensors, bf16)
 
 For each model shape (random-initialised, built here, nothing downloaded) and each medium, in one
 run, repeats interleaved so that all figures share the same minutes of a shared machine:

@@ -1,7 +1,7 @@
 """A rollout worker's start and its generation, with vLLM's torch.compile and without, side by side
 in one run: what `--no-compile` saves at launch and what it costs per engine call.
 
-    python bench/worker_start.py --model DIR [--launches compile-cold,compile-warm,no-compile]
+    python -m bench.worker_start --model DIR [--launches compile-cold,compile-warm,no-compile]
                                  [--calls 5] [--prompts 64 --samples 8 --tokens 16] [--json OUT]
 
 Each launch is a real `rollout-svc serve --weights DIR` (bfloat16 on a GPU, 0.3 of it, as a
