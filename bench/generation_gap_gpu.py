@@ -1,7 +1,7 @@
 """Where a training step's generation through the spool loses time against `LLM.generate`, on one GPU,
 at a real model's shape and batch, side by side in one run.
 
-    python bench/generation_gap_gpu.py --model DIR [--prompts 80 --samples 8 --tokens 24]
+    python -m bench.generation_gap_gpu --model DIR [--prompts 80 --samples 8 --tokens 24]
                                        [--temperature 0.7] [--steps 5] [--setups dedicated,colocated]
                                        [--root /dev/shm] [--random-weights] [--no-compile]
                                        [--generations plain,worker_params,live] [--json OUT]
@@ -52,11 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import start_worker, stop, wait_until  # noqa: E402
-from vllm_gpu import gpu_name, say  # noqa: E402
+from bench.common import ROOT, gpu_name, say
+from bench.workers import start_worker, stop, wait_until
 
 TARGET_RATIO = 0.95
 MAX_MODEL_LEN = 2048
@@ -136,11 +133,11 @@ def direct(dirs: list[Path], prompts: list[str], root: Path, args, sleep_level: 
     out = root / f"direct-{sleep_level}.json"
     inputs = root / "direct-inputs.json"
     inputs.write_text(json.dumps({"dirs": [str(d) for d in dirs], "prompts": prompts, "root": str(root)}))
-    command = [sys.executable, __file__, "--direct-child", str(inputs), "--json", str(out),
+    command = [sys.executable, "-m", "bench.generation_gap_gpu", "--direct-child", str(inputs), "--json", str(out),
                "--samples", str(args.samples), "--tokens", str(args.tokens), "--sleep-level", str(sleep_level),
                "--temperature", str(args.temperature), "--model", str(args.model),
                "--generations", args.generations] + (["--no-compile"] if args.no_compile else [])  # fmt: skip
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=ROOT)
     return json.loads(out.read_text())
 
 
@@ -349,13 +346,35 @@ def summary(d: dict, s: dict) -> dict:
     }
 
 
+def tiny(args) -> None:
+    """--tiny, the CPU check of the script: the prompts through a tokenizer (a tiny one without
+    --model), then the report of made-up rows of both sides."""
+    from bench.tokenizer_check import tiny_tokenizer
+
+    prompts = chat_prompts(args.model or tiny_tokenizer(), 4)
+    direct_row = {"step": 1, "load_files_direct_equal": True} | {f"{g}_s": 0.1 for g in GENERATIONS}
+    direct_row |= {f"{g}_tokens": 64 for g in GENERATIONS}
+    spool_row = {"wall_s": 0.2, "queued_s": 0.01, "reload_s": 0.05, "generate_s": 0.1, "rest_s": 0.04, "tokens": 64}
+    spool = {"rows": [{"step": 1, "new": spool_row, "same": spool_row}], "log_lines": []}
+    data = {
+        "benchmark": "generation_gap_gpu",
+        "prompts": prompts,
+        "figures": summary({"build_s": 1.0, "rows": [direct_row]}, spool),
+    }
+    print(json.dumps(data))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data) + "\n")
+
+
 GENERATIONS = ("plain", "worker_params", "live", "before", "detokenized_flat", "dict_logprobs", "no_logprobs")
 SETUPS = {"dedicated": 0, "colocated": 2}  # the worker's sleep level: none, or a colocated trainer's
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="an HF model directory (bfloat16 safetensors)")
+    parser.add_argument(
+        "--model", type=Path, help="an HF model directory (bfloat16 safetensors; required but with --tiny)"
+    )
     parser.add_argument("--prompts", type=int, default=80)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
@@ -379,7 +398,13 @@ def main() -> None:
     )
     parser.add_argument("--direct-child", help=argparse.SUPPRESS)  # internal: run (a) in its own process
     parser.add_argument("--sleep-level", type=int, default=0, help=argparse.SUPPRESS)  # internal, with the above
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: the prompts, the report of made-up rows")
     args = parser.parse_args()
+    if args.tiny:
+        tiny(args)
+        return
+    if not args.model:
+        parser.error("--model is required")
     if args.direct_child:
         direct_child(args)
         return

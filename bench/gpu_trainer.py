@@ -1,6 +1,6 @@
 """The trainer on GPUs: one GPU in bf16, then two GPUs with FSDP2 over NCCL, same config.
 
-    python bench/gpu_trainer.py --json OUT      (on a machine with 2 CUDA GPUs)
+    python -m bench.gpu_trainer --json OUT      (on a machine with 2 CUDA GPUs)
 
 The rollouts come from the deterministic transformers sampler of the trainer tests (this checks
 the trainer's GPU path: device placement, bf16, NCCL, FSDP2 sharding, activation checkpointing,
@@ -22,10 +22,8 @@ from pathlib import Path
 
 import msgspec
 
+from bench.common import ROOT
 from protocol.weights_dir import step_dir_name
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "trainer"))
 
 
 def config(run_dir: Path, model: Path, steps: int):
@@ -52,16 +50,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: a tiny model, a step, two CPU ranks (gloo)")
     args = parser.parse_args()
+    if args.tiny:
+        args.steps = 1
     import torch
-    from local_sampler import TorchSampler
     from safetensors.torch import load_file
 
     from rollout_svc.tiny_model import build
+    from tests.trainer.local_sampler import TorchSampler  # the trainer tests' deterministic sampler
     from trainer_svc.run.loop import train
 
     root = Path(tempfile.mkdtemp(prefix="gpu-trainer-"))
-    model = build(root / "model", hidden=256, layers=4)
+    model = build(root / "model", hidden=64, layers=1) if args.tiny else build(root / "model", hidden=256, layers=4)
     one = config(root / "one-gpu", model, args.steps)
     started = time.monotonic()
     assert train(one, make_sampler=lambda cfg, launch_id: TorchSampler(cfg)) == 0
@@ -94,7 +95,7 @@ def main() -> None:
     m1, m2 = metrics(root / "one-gpu"), metrics(root / "two-gpus")
     figures = {
         "gpus": torch.cuda.device_count(),
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
         "steps": args.steps,
         "one_gpu_wall_s": round(one_s, 1),

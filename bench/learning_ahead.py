@@ -1,7 +1,7 @@
 """Learning with rollout.ahead = 1 against synchronous (ahead = 0) on the demo, seed by seed, with
 the engine/trainer correction on (loss.correction = "tis") and off ("none").
 
-    .venvs/trainer/bin/python bench/learning_ahead.py [--seeds 0 1 2] [--steps 400] [--work DIR]
+    .venvs/trainer/bin/python -m bench.learning_ahead [--seeds 0 1 2] [--steps 400] [--work DIR]
                                                       [--corrections tis none] [--json OUT]
 
 One supervised warm-up (`trainer-svc sft` on configs/demo.toml, into the work directory), then
@@ -22,19 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import msgspec
 
+from bench import synthetic
+from bench.common import ROOT, TRAINER, emit, git_head, machine_line, read_jsonl, utc_minute
 from trainer_svc.config import dump, load
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
 WORK = ROOT / "runs" / "bench-learning-ahead"
 SETTINGS = [(0, "tis"), (1, "tis"), (0, "none"), (1, "none")]  # (rollout.ahead, loss.correction)
 WINDOW = 20
@@ -56,16 +56,23 @@ def demo_config(path: Path, run_dir: Path, model: Path, **sections: dict) -> Pat
     return path
 
 
-def warm_up(work: Path) -> Path:
-    """The demo's supervised warm-up, once, into work/sft-model."""
+def warm_up(work: Path, tiny: bool = False) -> Path:
+    """The demo's supervised warm-up, once, into work/sft-model (with `tiny`, its config checked
+    and a made-up report in its place)."""
     model = work / "sft-model"
     if not (model / "config.json").exists():
         config = demo_config(work / "sft.toml", work / "sft-run", model)
-        subprocess.run(["nice", "-n", "10", str(TRAINER), "sft", str(config)], cwd=ROOT, check=True)
+        if tiny:
+            load(config)
+            model.mkdir(parents=True)
+            (model / "config.json").write_text("{}\n")
+            (model / "sft_report.json").write_text(json.dumps({"steps": 40, "sampled_accuracy": 0.31}))
+        else:
+            subprocess.run(["nice", "-n", "10", str(TRAINER), "sft", str(config)], cwd=ROOT, check=True)
     return model
 
 
-def grpo(work: Path, model: Path, seed: int, ahead: int, correction: str, steps: int) -> dict:
+def grpo(work: Path, model: Path, seed: int, ahead: int, correction: str, steps: int, tiny: bool = False) -> dict:
     """One GRPO run from the warm-up; its figures (the run directory is removed after)."""
     name = f"seed{seed}-ahead{ahead}-{correction}"
     run_dir = work / name
@@ -80,12 +87,14 @@ def grpo(work: Path, model: Path, seed: int, ahead: int, correction: str, steps:
         loss={"correction": correction},
     )
     started = time.monotonic()
-    with open(work / f"{name}.log", "w") as log:
-        subprocess.run(
-            ["nice", "-n", "10", str(TRAINER), "train", str(config)], cwd=ROOT, stdout=log, stderr=log, check=True
-        )
+    if tiny:
+        synthetic.stand_in_train(config)
+    else:
+        with open(work / f"{name}.log", "w") as log:
+            command = ["nice", "-n", "10", str(TRAINER), "train", str(config)]
+            subprocess.run(command, cwd=ROOT, stdout=log, stderr=log, check=True)
     wall_s = time.monotonic() - started
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == steps, f"{name}: {len(rows)} steps logged, {steps} asked for"
     shutil.copy(run_dir / "metrics.jsonl", work / f"{name}.metrics.jsonl")
     shutil.rmtree(run_dir)
@@ -153,11 +162,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=WORK, help="its runs.jsonl: runs already done are skipped")
     parser.add_argument("--corrections", nargs="+", default=["tis", "none"], choices=["tis", "none"])
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no launch, made-up runs summarised")
     args = parser.parse_args()
+    if args.tiny:
+        args.seeds, args.steps, args.work = [0], 12, Path(tempfile.mkdtemp(prefix="learning-ahead-"))
     os.chdir(ROOT)  # the config's relative paths (the base model, the rollout venv) are the checkout's
     args.work.mkdir(parents=True, exist_ok=True)
     load_avg = [os.getloadavg()[0]]
-    model = warm_up(args.work)
+    model = warm_up(args.work, args.tiny)
     ledger = args.work / "runs.jsonl"
     done = [json.loads(line) for line in ledger.read_text().splitlines()] if ledger.exists() else []
     for correction in args.corrections:
@@ -168,29 +180,26 @@ def main() -> None:
                     for r in done
                 ):
                     continue
-                run = grpo(args.work, model, seed, ahead, correction, args.steps)
+                run = grpo(args.work, model, seed, ahead, correction, args.steps, args.tiny)
                 with open(ledger, "a") as f:
                     f.write(json.dumps(run) + "\n")
                 done.append(run)
                 print(json.dumps(run), flush=True)
     load_avg.append(os.getloadavg()[0])
     done = [r for r in done if r["seed"] in args.seeds and r["steps"] == args.steps]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     report = {
         "figures": compare(done),
         "context": {
             "steps": args.steps,
             "window": WINDOW,
             "warm_up": json.loads((model / "sft_report.json").read_text())["sampled_accuracy"],
-            "commit": head.strip(),
-            "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+            "commit": git_head(),
+            "machine": machine_line(),
             "load_average_1min": [round(x, 2) for x in load_avg],
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "date": utc_minute(),
         },
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ each step publishes the full weights as a directory, then into a shared-memory s
 adapter (rank --rank on the decoder's seven linear projections), and has the engine load each.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
-        .venvs/rollout/bin/python bench/lora_sync.py [--shapes tiny,mid] [--steps 6] [--rank 8] [--json OUT]
+        .venvs/rollout/bin/python -m bench.lora_sync [--shapes tiny,mid] [--steps 6] [--rank 8] [--json OUT]
 
 Shapes as bench/publish_reload_slots.py: `tiny` (build/tiny-model's Llama, 0.46M parameters) and
 `mid` (the same Llama at hidden 768, 12 layers: 85M parameters, 340 MB in float32). One engine
@@ -24,16 +24,13 @@ import json
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import report  # noqa: E402
-from publish_reload_slots import base_model, say  # noqa: E402 (borrows crc32c from the trainer's venv too)
+from bench.common import report, say
+from bench.engines import make_engine
+from bench.publish_reload_slots import base_model  # borrows crc32c from the trainer's venv too
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -64,13 +61,12 @@ def adapter_config(base: Path, rank: int) -> bytes:
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
-def measure(shape: str, steps: int, rank: int, shm: Path) -> dict:
+def measure(shape: str, steps: int, rank: int, shm: Path, tiny: bool = False) -> dict:
     import torch
     from safetensors.torch import load_file
 
     from protocol.messages import Request
     from protocol.weights_dir import Adapter, weights_content_id
-    from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
     from trainer_svc.weights.adapters import write_adapter_dir
     from trainer_svc.weights.publish import publish, published_dir
@@ -83,9 +79,8 @@ def measure(shape: str, steps: int, rank: int, shm: Path) -> dict:
         tensors = load_file(base / "model.safetensors")
         lora = adapter_tensors(tensors, rank)
         full_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        engine = VllmEngine(
-            policy=WeightsPolicy([str(work)]), device="cpu", dtype="float32", max_model_len=256, max_lora_rank=rank
-        )
+        settings = dict(device="cpu", dtype="float32", max_model_len=256, max_lora_rank=rank)
+        engine = make_engine(tiny, policy=WeightsPolicy([str(work)]), **settings)
         say(f"{shape}: {full_bytes / 1e6:.1f} MB of weights; building the engine")
         engine.ensure_weights(str(base))
         base_id = weights_content_id(str(base))
@@ -157,12 +152,17 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--shm", default="/dev/shm")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no engine (loads read the files)")
     args = parser.parse_args()
+    if args.tiny:
+        args.shapes, args.steps, args.shm = "tiny", 2, tempfile.gettempdir()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import torch
 
     torch.set_num_threads(1)  # the trainer's own setting on CPU (run.cpu_threads): the engine has the cores
-    figures = {shape: measure(shape, args.steps, args.rank, Path(args.shm)) for shape in args.shapes.split(",")}
+    figures = {
+        shape: measure(shape, args.steps, args.rank, Path(args.shm), args.tiny) for shape in args.shapes.split(",")
+    }
     report("lora_sync", {"rank": args.rank, "steps": args.steps, **figures}, args.json)
 
 

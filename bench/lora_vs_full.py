@@ -3,7 +3,7 @@ spawned vLLM worker, 16 prompts x 8 samples, ahead = 1, spare prompts, tis), onc
 whole model and once a LoRA adapter; the weight sync's cost and the rewards side by side.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
-        .venvs/rollout/bin/python bench/lora_vs_full.py [--steps 200] [--rank 8] [--lora-lr 1e-3]
+        .venvs/rollout/bin/python -m bench.lora_vs_full [--steps 200] [--rank 8] [--lora-lr 1e-3]
                                                         [--out /tmp/bench-lora] [--png docs/lora_vs_full.png]
                                                         [--json OUT]
 
@@ -31,18 +31,14 @@ import json
 import re
 import statistics
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+from bench import synthetic
+from bench.common import ROOT, TRAINER, report, say
+from tests.run_config import merge, to_toml  # the tests' trainer configs
 
-from common import report  # noqa: E402
-from run_config import merge, to_toml  # noqa: E402
-
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
 TARGET = 0.05
 LABELS = {
     "full": "full model, lr 1e-4, shared-memory slots",
@@ -50,10 +46,6 @@ LABELS = {
     "lora": "LoRA rank 8, lr 1e-3, adapter directories",
     "lora-demo-lr": "LoRA rank 8, lr 1e-4 (the demo's), adapter directories",
 }
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def demo_sections() -> dict[str, dict]:
@@ -67,11 +59,20 @@ def write_config(path: Path, *layers: dict[str, dict]) -> Path:
     return path
 
 
-def warm_model(out: Path) -> Path:
-    """The demo's warm-up (its [sft]), once: the model every variant starts from."""
+def warm_model(out: Path, tiny_mode: bool = False) -> Path:
+    """The demo's warm-up (its [sft]), once: the model every variant starts from (with
+    `tiny_mode`, its config checked and an empty model in its place)."""
     model = out / "sft-model"
     if not (model / "config.json").is_file():
         tiny = ROOT / "build" / "tiny-model"
+        if tiny_mode:
+            from trainer_svc.config import load
+
+            sections = demo_sections() | {"run": {"dir": str(out / "sft-run")}, "model": {"path": str(model)}}
+            load(write_config(out / "sft.toml", sections))
+            model.mkdir()
+            (model / "config.json").write_text("{}\n")
+            return model
         if not (tiny / "config.json").is_file():
             subprocess.run(["make", "tiny-model"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         sections = demo_sections()
@@ -99,7 +100,19 @@ def textfile_value(metrics_dir: Path, name: str) -> float:
     raise KeyError(f"{name} not in {metrics_dir}")
 
 
-def run_variant(name: str, out: Path, model: Path, steps: int, extra: dict[str, dict]) -> dict:
+def stand_in_run(config: Path, metrics_dir: Path, steps: int) -> None:
+    """--tiny: a made-up run of `config`, with the last publish's manifest and the worker's textfile."""
+    run_dir = synthetic.stand_in_train(config)
+    last = run_dir / "weights" / f"step_{steps:08d}"
+    last.mkdir(parents=True)
+    (last / "manifest.json").write_text(json.dumps({"bytes": 1_000_000}))
+    metrics_dir.mkdir()
+    (metrics_dir / "worker.prom").write_text(
+        'rollout_reloads_total{worker="w"} 3\nrollout_reloading_seconds_total{worker="w"} 0.3\n'
+    )
+
+
+def run_variant(name: str, out: Path, model: Path, steps: int, extra: dict[str, dict], tiny: bool = False) -> dict:
     run_dir = out / name
     metrics_dir = out / f"{name}-worker-metrics"
     sections = demo_sections()
@@ -121,7 +134,11 @@ def run_variant(name: str, out: Path, model: Path, steps: int, extra: dict[str, 
     say(f"{name}: trainer-svc train ({steps} steps)")
     log = open(out / f"{name}.log", "wb")
     started = time.monotonic()
-    proc = subprocess.Popen([str(TRAINER), "train", str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    command = [str(TRAINER), "train", str(config)]
+    if tiny:  # a process that does nothing, for the trainer's: the watch below runs as it would
+        stand_in_run(config, metrics_dir, steps)
+        command = ["true"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, peak_rss_kib(proc.pid) or 0)
@@ -190,10 +207,14 @@ def main() -> None:
     parser.add_argument("--variants", default="full,full-dirs,lora")
     parser.add_argument("--reuse", action="store_true", help="report the variants already run in --out")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no launch, made-up runs, the plot")
     args = parser.parse_args()
+    if args.tiny:
+        args.steps, args.out = 12, tempfile.mkdtemp(prefix="bench-lora-")
+        args.png = str(Path(args.out) / "lora_vs_full.png")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = warm_model(out)
+    model = warm_model(out, args.tiny)
     extras = {
         "full": {},
         "full-dirs": {"publish": {"slots": "off"}},
@@ -210,7 +231,7 @@ def main() -> None:
             continue
         shutil.rmtree(out / name, ignore_errors=True)
         shutil.rmtree(out / f"{name}-worker-metrics", ignore_errors=True)
-        figures[name] = run_variant(name, out, model, args.steps, extras[name]) | {"label": LABELS[name]}
+        figures[name] = run_variant(name, out, model, args.steps, extras[name], args.tiny) | {"label": LABELS[name]}
         kept.write_text(json.dumps(figures[name]))
         say(f"{name}: {json.dumps({k: v for k, v in figures[name].items() if k != 'rewards'})}")
     plot(figures, Path(args.png))

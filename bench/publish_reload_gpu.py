@@ -2,7 +2,7 @@
 (trainer_svc.weights.sync's writer: bf16 from the GPU, one directory per step) and a vLLM engine
 (rollout_svc's VllmEngine, what the worker runs) reloads them in place and verifies them.
 
-    python bench/publish_reload_gpu.py [--shape 1.5b] [--media /dev/shm,build] [--steps 5]
+    python -m bench.publish_reload_gpu [--shape 1.5b] [--media /dev/shm,build] [--steps 5]
                                        [--writer-threads 4,8] [--json OUT]
 
 A Qwen2.5-shaped model, random-initialised on the GPU (no download), plays the trainer's policy;
@@ -20,39 +20,35 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
-
-from protocol.weights_dir import step_dir_name  # noqa: E402
+from bench.common import ROOT, gpu_name, say
+from bench.engines import make_engine
+from bench.models import QWEN_SHAPES, QWEN_TINY, qwen_config
+from protocol.weights_dir import step_dir_name
 
 TARGET_S = 1.5
+SHAPES = {**QWEN_SHAPES, "tiny": QWEN_TINY}  # tiny: the CPU check of the script (--tiny)
 
 
-def base_model(root: Path, shape: str) -> tuple[Path, object]:
-    """A directory with the config and tokenizer (what a publish copies), and the model on the GPU."""
+def base_model(root: Path, shape: str, device: str = "cuda") -> tuple[Path, object]:
+    """A directory with the config and tokenizer (what a publish copies), and the model on `device`."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
+    from bench.models import QWEN_VOCAB
     from rollout_svc.tiny_model import write_tokenizer
 
-    config = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
-    )  # fmt: skip
+    config = qwen_config(SHAPES[shape])
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     base = root / f"{shape}-base"
     base.mkdir()
     config.save_pretrained(base)
-    write_tokenizer(base, max_positions=2048, vocab_size=VOCAB)
+    write_tokenizer(base, max_positions=2048, vocab_size=QWEN_VOCAB)
     return base, model
 
 
@@ -63,11 +59,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--writer-threads", default="", help="comma-separated thread counts (default: the writer's)")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: the tiny shape, no engine, one step")
     args = parser.parse_args()
+    device = "cuda"
+    if args.tiny:
+        args.shape, args.media, args.steps, device = "tiny", tempfile.gettempdir(), 1, "cpu"
 
     import torch
 
-    from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
     from trainer_svc.distributed import Distributed
     from trainer_svc.weights.publish import publish
@@ -75,15 +74,16 @@ def main() -> None:
     from trainer_svc.weights.writer import iter_full_tensors
 
     work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
-    base, model = base_model(work, args.shape)
-    dist_info = Distributed(0, 1, torch.device("cuda", 0))
+    base, model = base_model(work, args.shape, device)
+    dist_info = Distributed(0, 1, torch.device(device, 0) if device == "cuda" else torch.device(device))
     figures = {}
     try:
         for medium in args.media.split(","):
             parent = Path(medium) if medium.startswith("/") else ROOT / medium
             parent.mkdir(parents=True, exist_ok=True)
             publish_dir = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=parent))
-            engine = VllmEngine(
+            engine = make_engine(
+                args.tiny,
                 policy=WeightsPolicy([str(publish_dir)]),
                 device="cuda:0",
                 dtype="bfloat16",
@@ -112,7 +112,8 @@ def main() -> None:
                     with torch.no_grad():
                         for p in model.parameters():
                             p.mul_(1.0 + 1e-3 * step)
-                    torch.cuda.synchronize()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
                     started = time.monotonic()
                     record = publish(
                         published,

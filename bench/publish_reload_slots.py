@@ -3,7 +3,7 @@ reload) against a shared-memory slot (slot publish + the engine's slot load), wi
 each step doing both, in turn.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \\
-        .venvs/rollout/bin/python bench/publish_reload_slots.py [--device cpu|cuda] [--shapes tiny,mid]
+        .venvs/rollout/bin/python -m bench.publish_reload_slots [--device cpu|cuda] [--shapes tiny,mid]
                                                                 [--steps 8] [--shm /dev/shm] [--json OUT]
 
 Shapes: `tiny` (build/tiny-model's, 0.46M parameters), `mid` (the same Llama at hidden 768, 12
@@ -26,27 +26,16 @@ import argparse
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import borrow_from_trainer_venv, report, say
+from bench.engines import make_engine
 
-from common import report  # noqa: E402
-
-try:  # the trainer's writer needs crc32c, which only the trainer's venv holds: borrow that one module
-    import crc32c  # noqa: F401
-except ImportError:
-    sys.path.extend(str(p) for p in (ROOT / ".venvs" / "trainer" / "lib").glob("python3*/site-packages"))
-    import crc32c  # noqa: F401
+borrow_from_trainer_venv("crc32c")  # the trainer's writers need it; only the trainer's venv holds it
 
 SHAPES = {"tiny": dict(hidden=128, layers=2), "mid": dict(hidden=768, layers=12)}
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def base_model(root: Path, shape: str, device: str) -> Path:
@@ -59,7 +48,7 @@ def base_model(root: Path, shape: str, device: str) -> Path:
         return build(root / shape, seed=0, hidden=hidden, layers=layers, intermediate=3 * hidden, init_std=0.3)
     if device == "cpu":
         raise SystemExit(f"shape {shape} is for a GPU; on a CPU use {', '.join(SHAPES)}")
-    from publish_reload_gpu import base_model as qwen_base
+    from bench.publish_reload_gpu import base_model as qwen_base
 
     base, model = qwen_base(root, shape)
     from safetensors.torch import save_file
@@ -69,11 +58,10 @@ def base_model(root: Path, shape: str, device: str) -> Path:
     return base
 
 
-def measure(shape: str, device: str, steps: int, shm: Path, eager: bool | None) -> dict:
+def measure(shape: str, device: str, steps: int, shm: Path, eager: bool | None, tiny: bool = False) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
     from trainer_svc.weights.publish import publish
     from trainer_svc.weights.slots import SlotRing
@@ -85,7 +73,8 @@ def measure(shape: str, device: str, steps: int, shm: Path, eager: bool | None) 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         tensors = {k: v.to(device=device, dtype=dtype) for k, v in load_file(base / "model.safetensors").items()}
         gigabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
-        engine = VllmEngine(
+        engine = make_engine(
+            tiny,
             policy=WeightsPolicy([str(work), str(base.parent)]),
             device=device,
             dtype="bfloat16" if device.startswith("cuda") else "float32",
@@ -147,7 +136,10 @@ def main() -> None:
     parser.add_argument("--shm", default="/dev/shm", help="the tmpfs both paths publish into")
     parser.add_argument("--eager", action="store_true", help="build the engine eager (GPU: it starts sooner)")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no engine (loads read the files)")
     args = parser.parse_args()
+    if args.tiny:
+        args.device, args.shapes, args.steps, args.shm = "cpu", "tiny", 3, tempfile.gettempdir()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("rollout_svc").setLevel(logging.INFO)  # the engine's own account of each load
     device = "cuda:0" if args.device == "cuda" else "cpu"
@@ -157,7 +149,7 @@ def main() -> None:
         torch.set_num_threads(1)  # the trainer's own setting on CPU (run.cpu_threads): the engine has the cores
     eager = True if args.eager else None  # None: the engine's default for the device
     figures = {
-        shape.partition("=")[0]: measure(shape, device, args.steps, Path(args.shm), eager)
+        shape.partition("=")[0]: measure(shape, device, args.steps, Path(args.shm), eager, args.tiny)
         for shape in args.shapes.split(",")
     }
     print("| shape | GB | directory: publish + load s | slot: publish + load s |")

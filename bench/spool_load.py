@@ -1,6 +1,6 @@
 """Spool under load: echo workers and producers, with done/ empty and with done/ full.
 
-    .venvs/rollout/bin/python bench/spool_load.py [--requests 20000] [--done-files 100000] [--json OUT]
+    .venvs/rollout/bin/python -m bench.spool_load [--requests 20000] [--done-files 100000] [--json OUT]
 
 (a) Load: two runs on two fresh spools, otherwise alike: `--workers` (4) real `rollout-svc serve
     --engine echo` processes and `--producers` (2) producer processes, which submit `--requests`
@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from spool_roundtrip import Workers, _produce, machine, make_request
-
+from bench.spool_roundtrip import _produce, machine, make_request
+from bench.workers import EchoWorkers
 from protocol.messages import Result, decode_result
 from protocol.spool import Spool
 from protocol.watch import filesystem_type
@@ -104,7 +104,7 @@ def run(base: Path, name: str, done_files: int, args) -> dict:
     ctx = multiprocessing.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     ids = [f"{name}-{i:06d}" for i in range(args.requests)]
-    with Workers(spool, args.workers, log_dir) as workers:
+    with EchoWorkers(spool, args.workers, log_dir, prefix=f"bench-{args.workers}w") as workers:
         cpu_before = [worker_figures(p.pid)[0] for p in workers.procs]
         producers = [
             ctx.Process(target=_produce, args=(str(spool.root), ids[k :: args.producers], args.batch, start, out))
@@ -153,7 +153,11 @@ def main() -> None:
     parser.add_argument("--path-block", type=int, default=50, help="requests per block in (b)")
     parser.add_argument("--full-first", action="store_true", help="run the full spool first (order effects)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: 40 requests, 200 files, 2 workers")
     args = parser.parse_args()
+    if args.tiny:
+        args.requests, args.done_files, args.workers, args.producers, args.batch = 40, 200, 2, 1, 10
+        args.path_rounds, args.path_block = 2, 5
 
     base = Path(tempfile.mkdtemp(prefix="spool-load-", dir=args.spool_dir))
     try:

@@ -1,6 +1,6 @@
 """The spool on an sshfs mount against local disk, in one run: round trip and 4-worker throughput.
 
-    .venvs/rollout/bin/python bench/spool_netfs.py [--round-trips N] [--requests N] [--json OUT]
+    .venvs/rollout/bin/python -m bench.spool_netfs [--round-trips N] [--requests N] [--json OUT]
 
 The sshfs mount is the tests' (tests/netfs.py): an sshd of its own on a loopback port with
 throwaway keys, the caches on (attributes and listings 1 s, names 60 s, absent names 600 s).
@@ -26,20 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the mount helpers
-
-from netfs import SshServer, missing_prerequisites, sshfs_mount  # noqa: E402
-from spool_roundtrip import Publisher, bench_rate, bench_round_trip, machine, percentile  # noqa: E402
-
-from protocol.watch import filesystem_type, needs_polling  # noqa: E402
+from bench.common import percentile
+from bench.spool_roundtrip import Publisher, bench_rate, bench_round_trip, machine
+from protocol.watch import filesystem_type, needs_polling
+from tests.netfs import SshServer, missing_prerequisites, sshfs_mount  # the tests' mount helpers
 
 
-def bench_storage(base: Path, round_trips: int, requests: int) -> dict:
+def bench_storage(base: Path, round_trips: int, requests: int, workers: int = 4, warm_up: int = 20) -> dict:
     log_dir = base / "logs"
     log_dir.mkdir()
     try:
-        times, _ = bench_round_trip(base, round_trips, log_dir, Publisher(base))
-        rate = bench_rate(base, requests, 4, 2, 100, log_dir)
+        times, _ = bench_round_trip(base, round_trips, log_dir, Publisher(base), warm_up)
+        rate = bench_rate(base, requests, workers, 2, 100, log_dir)
     except BaseException:
         for log in sorted(log_dir.glob("*.log")):  # the base directory goes at exit: show why now
             print(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
@@ -57,7 +55,11 @@ def main() -> int:
     parser.add_argument("--round-trips", type=int, default=200, help="sequential round trips per storage")
     parser.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: 1 round trip, 20 requests")
     args = parser.parse_args()
+    workers, warm_up = 4, 20
+    if args.tiny:
+        args.round_trips, args.requests, workers, warm_up = 1, 20, 2, 0
     missing = missing_prerequisites("sshfs")
     if missing:
         raise SystemExit(f"cannot mount sshfs: missing {', '.join(missing)} (apt-get install sshfs openssh-server)")
@@ -68,13 +70,13 @@ def main() -> int:
     figures = {}
     try:
         (top / "local").mkdir()
-        figures["local"] = bench_storage(top / "local", args.round_trips, args.requests)
+        figures["local"] = bench_storage(top / "local", args.round_trips, args.requests, workers, warm_up)
         print("local disk: done")
         server = SshServer(top / "sshd").start()
         try:
             (top / "export").mkdir()
             with sshfs_mount(server, top / "export", top / "mnt") as mount:
-                figures["sshfs"] = bench_storage(mount, args.round_trips, args.requests)
+                figures["sshfs"] = bench_storage(mount, args.round_trips, args.requests, workers, warm_up)
         finally:
             server.stop()
         print("sshfs: done")
@@ -83,12 +85,12 @@ def main() -> int:
             shutil.rmtree(top, ignore_errors=True)
 
     local, sshfs = figures["local"], figures["sshfs"]
-    print(f"\n{info['nproc']} cpus {info['cpu']}, python {info['python']}, {info['date']}")
+    print(f"\n{info['cores']} cpus {info['cpu']}, python {info['python']}, {info['date']}")
     print(f"{'figure':34} {'local':>12} {'sshfs':>12} {'sshfs/local':>12}")
     for label, key, unit, scale in (
         ("round trip p50 (1 worker)", ("round_trip_s", "p50"), "ms", 1e3),
         ("round trip p99 (1 worker)", ("round_trip_s", "p99"), "ms", 1e3),
-        ("throughput, 4 workers", ("throughput_4_workers", "rate"), "req/s", 1.0),
+        (f"throughput, {workers} workers", ("throughput_4_workers", "rate"), "req/s", 1.0),
     ):
         a, b = local[key[0]][key[1]] * scale, sshfs[key[0]][key[1]] * scale
         print(f"{label:34} {a:9.1f} {unit:<3}{b:9.1f} {unit:<3}{b / a:11.2f}x")

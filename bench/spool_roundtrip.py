@@ -1,6 +1,6 @@
 """Spool benchmarks: durable publish, round trip with one echo worker, sustained throughput.
 
-    .venvs/rollout/bin/python bench/spool_roundtrip.py [--requests N] [--spool-dir BASE] [--json OUT]
+    .venvs/rollout/bin/python -m bench.spool_roundtrip [--requests N] [--spool-dir BASE] [--json OUT]
 
 (a) publish: one durable file publish (write, fsync, link, fsync directory), as a result is
     published, on the spool's filesystem; p50 and p99.
@@ -25,14 +25,15 @@ import multiprocessing
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import common
+from bench.common import percentile
+from bench.workers import EchoWorkers
 from protocol import fsio
 from protocol.client import SpoolClient
 from protocol.messages import Request, Result, encode
@@ -41,18 +42,6 @@ from protocol.watch import Waker, filesystem_type
 
 ROUND_TRIP_FACTOR = 5.0  # target: p50 round trip <= this x p50 durable publish
 RATE_TARGET = 500.0  # target: requests/s with 4 workers
-
-
-def worker_command() -> list[str]:
-    script = Path(sys.executable).with_name("rollout-svc")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from rollout_svc.cli import main; main()"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def make_request(request_id: str) -> Request:
@@ -64,43 +53,6 @@ def make_request(request_id: str) -> Request:
         max_tokens=64,
         temperature=0.0,
     )
-
-
-class Workers:
-    """Echo workers serving one spool; a context manager that always stops them."""
-
-    def __init__(self, spool: Spool, count: int, log_dir: Path, extra: list[str] = ()):
-        self.spool, self.count, self.log_dir, self.extra = spool, count, log_dir, list(extra)
-        self.procs: list[subprocess.Popen] = []
-
-    def __enter__(self) -> Workers:
-        ids = [f"bench-{self.count}w-{i}" for i in range(self.count)]
-        for worker_id in ids:
-            with open(self.log_dir / f"{worker_id}.log", "ab") as log:
-                self.procs.append(subprocess.Popen(
-                    worker_command() + ["serve", "--spool", str(self.spool.root), "--engine", "echo",
-                                        "--worker-id", worker_id, "--idle-exit", "0", "--log-level", "WARNING",
-                                        *self.extra],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                ))  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not all((self.spool.workers / f"{w}.json").exists() for w in ids):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.__exit__()
-                raise SystemExit(f"workers did not start; see {self.log_dir}")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
 
 
 class Publisher:
@@ -131,7 +83,7 @@ SEGMENTS = (
 
 
 def bench_round_trip(
-    base: Path, count: int, log_dir: Path, publisher: Publisher
+    base: Path, count: int, log_dir: Path, publisher: Publisher, warm_up: int = 20
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Round-trip seconds, and where they went (wall clocks of the producer and of the worker,
     which stamps `finished_at` when it builds the result; one machine, so one clock).
@@ -140,9 +92,9 @@ def bench_round_trip(
     same minutes: on a shared machine the cost of an fsync drifts with other tenants' I/O."""
     spool = Spool(base / "roundtrip", create=True)
     times, segments = [], {name: [] for name, _ in SEGMENTS}
-    with Workers(spool, 1, log_dir), SpoolClient(spool.root, create=False) as client:
-        for i in range(count + 20):  # the first 20 warm up caches and the watchers
-            if i >= 20:
+    with EchoWorkers(spool, 1, log_dir, prefix="bench-1w"), SpoolClient(spool.root, create=False) as client:
+        for i in range(count + warm_up):  # the first ones warm up caches and the watchers
+            if i >= warm_up:
                 publisher.once()
             request = make_request(f"rt-{i:06d}")
             started, wall0 = time.perf_counter(), time.time()
@@ -151,7 +103,7 @@ def bench_round_trip(
             result = client.wait([request.request_id], timeout_s=30)[request.request_id]
             elapsed, wall1 = time.perf_counter() - started, time.time()
             assert result.ok and result.texts == [[request.prompts[0]]], result
-            if i < 20:
+            if i < warm_up:
                 continue
             times.append(elapsed)
             segments["submit"].append(submitted - wall0)
@@ -213,7 +165,7 @@ def bench_rate(base: Path, n: int, workers: int, producers: int, batch: int, log
     start, out = ctx.Event(), ctx.Queue()
     ids = [f"tp{workers}-{i:06d}" for i in range(n)]
     shares = [ids[p::producers] for p in range(producers)]
-    with Workers(spool, workers, log_dir):
+    with EchoWorkers(spool, workers, log_dir, prefix=f"bench-{workers}w"):
         procs = [ctx.Process(target=_produce, args=(str(spool.root), share, batch, start, out)) for share in shares]
         for p in procs:
             p.start()
@@ -234,14 +186,7 @@ def bench_rate(base: Path, n: int, workers: int, producers: int, batch: int, log
 
 
 def machine() -> dict:
-    model = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
-    except OSError:
-        pass
-    return {"nproc": os.cpu_count(), "cpu": model, "python": platform.python_version(), "kernel": platform.release(),
-            "loadavg_start": os.getloadavg()[0]}  # fmt: skip
+    return common.machine() | {"kernel": platform.release(), "loadavg_start": os.getloadavg()[0]}
 
 
 def main() -> int:
@@ -266,7 +211,12 @@ def main() -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the spools and worker logs")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: a few of each, 1 and 2 workers")
     args = parser.parse_args()
+    workers = (1, 4)
+    if args.tiny:
+        args.requests, args.round_trips, args.wake_samples, args.producers, args.batch = 40, 5, 1, 1, 10
+        workers = (1, 2)
 
     if args.spool_dir is not None:
         args.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -276,15 +226,15 @@ def main() -> int:
     info = machine() | {"spool_dir": str(base), "fstype": filesystem_type(base),
                         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
     print(
-        f"spool base {base} ({info['fstype']}), {info['nproc']} cpus {info['cpu']}, python {info['python']}, "
+        f"spool base {base} ({info['fstype']}), {info['cores']} cpus {info['cpu']}, python {info['python']}, "
         f"load average {info['loadavg_start']:.2f}"
     )
     try:
         publisher = Publisher(base)
-        round_trip, segments = bench_round_trip(base, args.round_trips, log_dir, publisher)
+        round_trip, segments = bench_round_trip(base, args.round_trips, log_dir, publisher, 2 if args.tiny else 20)
         publish = publisher.times
         print(f"(a) durable publish and (b) round trip: {len(round_trip)} of each done")
-        rates = [bench_rate(base, args.requests, w, args.producers, args.batch, log_dir) for w in (1, 4)]
+        rates = [bench_rate(base, args.requests, w, args.producers, args.batch, log_dir) for w in workers]
         print("(c) throughput: done")
         wake = bench_wake(base, args.wake_samples)
         print("(d) wake-up latency: done")
@@ -305,7 +255,7 @@ def main() -> int:
         ("round trip mean (1 worker)", f"{statistics.fmean(round_trip) * 1e3:.2f} ms", "", ""),
         ("throughput, 1 worker", f"{rate1:.0f} req/s", "",
          f"submit {rates[0]['submit_s']:.2f} s of {rates[0]['elapsed_s']:.2f} s"),
-        ("throughput, 4 workers", f"{rate4:.0f} req/s", f">= {RATE_TARGET:.0f} req/s",
+        (f"throughput, {workers[1]} workers", f"{rate4:.0f} req/s", f">= {RATE_TARGET:.0f} req/s",
          f"{'yes' if rate4 >= RATE_TARGET else 'no'} ({rate4 / RATE_TARGET:.2f} x target); "
          f"submit {rates[1]['submit_s']:.2f} s of {rates[1]['elapsed_s']:.2f} s"),
     ]  # fmt: skip

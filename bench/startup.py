@@ -1,7 +1,7 @@
 """Launch to first step: how long `trainer-svc train` takes from its start to its first step's
 metrics line, for the trainer code of two git revisions, alternating, in one run.
 
-    .venvs/trainer/bin/python bench/startup.py --before REV [--rounds 2] [--json OUT]
+    .venvs/trainer/bin/python -m bench.startup --before REV [--rounds 2] [--json OUT]
 
 Each launch is a fresh run directory on the demo's config (configs/demo.toml, 2 steps) from the
 demo's warm-up model (runs/demo/sft-model: run `make demo` once first). "before" runs the trainer
@@ -15,9 +15,7 @@ step-0 canary, the first step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -26,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+from bench import synthetic
+from bench.common import ROOT, TRAINER, emit, git_head, machine_line, utc_minute
+
 MODEL = ROOT / "runs" / "demo" / "sft-model"
 
 
@@ -53,8 +52,9 @@ def write_config(path: Path, run_dir: Path) -> Path:
     return path
 
 
-def launch(source: Path | None, work: Path, label: str) -> dict:
-    """One launch to the end of its 2 steps; seconds from launch to the first metrics line."""
+def launch(source: Path | None, work: Path, label: str, tiny: bool = False) -> dict:
+    """One launch to the end of its 2 steps; seconds from launch to the first metrics line (with
+    `tiny`, the config checked and a made-up run in place of the launch)."""
     run_dir = work / f"run-{label}-{time.monotonic_ns()}"
     config = write_config(work / f"{label}.toml", run_dir)
     env = dict(os.environ)
@@ -62,8 +62,12 @@ def launch(source: Path | None, work: Path, label: str) -> dict:
         env["PYTHONPATH"] = str(source / "trainer_svc" / "src")
     log_path = work / f"{run_dir.name}.log"
     started = time.monotonic()
+    command = [str(TRAINER), "train", str(config)]
+    if tiny:  # a process that does nothing, for the trainer's: the loop below runs as it would
+        synthetic.stand_in_train(config)
+        command = ["true"]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(TRAINER), "train", str(config)], cwd=ROOT, env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
     metrics = run_dir / "metrics.jsonl"
     first_step = None
     while proc.poll() is None:
@@ -80,32 +84,34 @@ def launch(source: Path | None, work: Path, label: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="git revision of the 'before' trainer")
+    parser.add_argument("--before", help="git revision of the 'before' trainer (required but with --tiny)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no launch, made-up runs")
     args = parser.parse_args()
-    if not (MODEL / "config.json").exists():
+    if args.tiny:
+        args.before, args.rounds = args.before or "HEAD", 1
+    elif not args.before:
+        parser.error("--before is required")
+    elif not (MODEL / "config.json").exists():
         raise SystemExit(f"{MODEL} is missing: run `make demo` once first")
-    with tempfile.TemporaryDirectory(prefix="startup-bench-", dir=ROOT / "runs") as tmp:
+    with tempfile.TemporaryDirectory(prefix="startup-bench-", dir=None if args.tiny else ROOT / "runs") as tmp:
         work = Path(tmp)
         before = export(args.before, work / "before")
         times: dict[str, list[float]] = {"before": [], "after": []}
         for _ in range(args.rounds):  # alternating, so both see the same machine load
-            times["before"].append(launch(before, work, "before")["launch_to_first_step_s"])
-            times["after"].append(launch(None, work, "after")["launch_to_first_step_s"])
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+            times["before"].append(launch(before, work, "before", args.tiny)["launch_to_first_step_s"])
+            times["after"].append(launch(None, work, "after", args.tiny)["launch_to_first_step_s"])
     report = {
         "before": {"rev": args.before, "launch_to_first_step_s": times["before"]},
-        "after": {"rev": f"working tree at {head.strip()}", "launch_to_first_step_s": times["after"]},
+        "after": {"rev": f"working tree at {git_head()}", "launch_to_first_step_s": times["after"]},
         "median_before_s": statistics.median(times["before"]),
         "median_after_s": statistics.median(times["after"]),
-        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "machine": machine_line(),
         "load_average_1min": round(os.getloadavg()[0], 2),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_minute(),
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

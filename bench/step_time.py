@@ -2,7 +2,7 @@
 prompts (rollout.spare_prompts), on the demo's config, side by side in one run: the target is a
 step of at most 1.15 x max(generation, training).
 
-    .venvs/trainer/bin/python bench/step_time.py [--steps 100] [--rounds 2] [--json OUT]
+    .venvs/trainer/bin/python -m bench.step_time [--steps 100] [--rounds 2] [--json OUT]
 
 Each launch is a fresh run directory on configs/demo.toml (train.steps = --steps) from the demo's
 warm-up model (runs/demo/sft-model: run `make demo` once first); the two settings alternate,
@@ -17,22 +17,19 @@ Medians over steps 5..N (the first steps include engine warm-up) are reported pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+from bench import synthetic
+from bench.common import ROOT, TRAINER, emit, git_head, machine_line, read_jsonl, step_engine_seconds, utc_minute
+
 MODEL = ROOT / "runs" / "demo" / "sft-model"
-STEP_IN_ID = re.compile(r"-train-s(\d{8})-a\d+-p\d+-")
 SETTINGS = {
     "synchronous": "ahead = 0\nmax_policy_lag = 0\nspare_prompts = 0\n",
     "ahead = 1": "ahead = 1\nmax_policy_lag = 1\nspare_prompts = 0\n",
@@ -53,27 +50,19 @@ def write_config(path: Path, run_dir: Path, steps: int, rollout_keys: str) -> Pa
     return path
 
 
-def engine_seconds(spool_dir: Path) -> dict[int, float]:
-    """Engine seconds (generate + reload) of each training step's requests, by step index."""
-    per_step: dict[int, float] = defaultdict(float)
-    for path in (spool_dir / "done").glob("*.result.json"):
-        found = STEP_IN_ID.search(path.name)
-        if found:
-            timings = json.loads(path.read_text())["timings"]
-            per_step[int(found.group(1))] += timings["generate_s"] + timings["reload_s"]
-    return per_step
-
-
-def launch(work: Path, label: str, steps: int) -> dict:
+def launch(work: Path, label: str, steps: int, tiny: bool = False) -> dict:
     run_dir = work / f"run-{label.replace(' ', '').replace('=', '')}-{time.monotonic_ns()}"
     config = write_config(work / "bench.toml", run_dir, steps, SETTINGS[label])
     log_path = work / f"{run_dir.name}.log"
-    with open(log_path, "w") as log:
-        done = subprocess.run([str(TRAINER), "train", str(config)], cwd=ROOT, stdout=log, stderr=log)
-    if done.returncode:
-        raise SystemExit(f"{label}: the trainer exited {done.returncode}:\n{log_path.read_text()[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    engine = engine_seconds(run_dir / "spool")
+    if tiny:
+        synthetic.stand_in_train(config)
+    else:
+        with open(log_path, "w") as log:
+            done = subprocess.run([str(TRAINER), "train", str(config)], cwd=ROOT, stdout=log, stderr=log)
+        if done.returncode:
+            raise SystemExit(f"{label}: the trainer exited {done.returncode}:\n{log_path.read_text()[-4000:]}")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    engine = step_engine_seconds(run_dir / "spool")
     shutil.rmtree(run_dir, ignore_errors=True)
     kept = [r for r in rows if r["step"] > 5]
     return {
@@ -94,15 +83,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a check of the script: no launch, a made-up run summarised"
+    )
     args = parser.parse_args()
-    if not (MODEL / "config.json").exists():
+    if args.tiny:
+        args.steps, args.rounds = 8, 1
+    elif not (MODEL / "config.json").exists():
         raise SystemExit(f"{MODEL} is missing: run `make demo` once first")
     runs: dict[str, list[dict]] = {label: [] for label in SETTINGS}
     load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="step-time-bench-", dir=ROOT / "runs") as tmp:
+    with tempfile.TemporaryDirectory(prefix="step-time-bench-", dir=None if args.tiny else ROOT / "runs") as tmp:
         for _ in range(args.rounds):
             for label in SETTINGS:
-                runs[label].append(launch(Path(tmp), label, args.steps))
+                runs[label].append(launch(Path(tmp), label, args.steps, args.tiny))
     load.append(os.getloadavg()[0])
     report = {}
     for label, found in runs.items():
@@ -114,18 +108,15 @@ def main() -> None:
     report["speedup_step_s"] = round(
         report["synchronous"]["median_of_runs"]["step_s"] / report["ahead = 1"]["median_of_runs"]["step_s"], 3
     )
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     report["context"] = {
         "steps": args.steps,
         "rounds": args.rounds,
-        "commit": head.strip(),
-        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "commit": git_head(),
+        "machine": machine_line(),
         "load_average_1min": [round(x, 2) for x in load],
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_minute(),
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

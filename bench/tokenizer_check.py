@@ -2,7 +2,7 @@
 through transformers (its import, then AutoTokenizer) against the `tokenizers` library
 (rollout_svc.engines.tokenizer_check.tokenizer_size), each in a fresh interpreter, in turn.
 
-    .venvs/rollout/bin/python bench/tokenizer_check.py [--model build/smollm2-135m-instruct] [--rounds 3] [--json OUT]
+    .venvs/rollout/bin/python -m bench.tokenizer_check [--model build/smollm2-135m-instruct] [--rounds 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import report  # noqa: E402
+from bench.common import ROOT, report
 
 TRANSFORMERS = """
 import json, sys, time
@@ -37,6 +34,17 @@ print(json.dumps({"count_s": seconds, "size": size, "transformers": "transformer
 """
 
 
+def tiny_tokenizer() -> Path:
+    """rollout_svc.tiny_model's character tokenizer, alone in a temporary directory."""
+    import tempfile
+
+    from rollout_svc.tiny_model import write_tokenizer
+
+    directory = Path(tempfile.mkdtemp(prefix="bench-tokenizer-"))
+    write_tokenizer(directory, max_positions=64)
+    return directory
+
+
 def timed(code: str, model: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -47,7 +55,10 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "build" / "smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: a tiny tokenizer, one round")
     args = parser.parse_args()
+    if args.tiny:
+        args.model, args.rounds = tiny_tokenizer(), 1
     rows = [(timed(TRANSFORMERS, args.model), timed(TOKENIZERS, args.model)) for _ in range(args.rounds)]
     assert all(a["size"] == b["size"] for a, b in rows), "the two counts differ"
     figures = {

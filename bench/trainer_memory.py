@@ -2,10 +2,10 @@
 chunk by chunk (learning/token_logprobs.py) against the whole batch's logits upcast at once (the
 trainer before it), side by side.
 
-    python bench/trainer_memory.py [--shape smollm2] [--lengths 128,512,1024,2048]
+    python -m bench.trainer_memory [--shape smollm2] [--lengths 128,512,1024,2048]
                                    [--sequences 64] [--micro-batches 2] [--prompt-tokens 64]
                                    [--compile off,on] [--checkpointing off] [--steps 3] [--json OUT]
-    python bench/trainer_memory.py --shape tiny --lengths 8,16 --sequences 4 --micro-batches 1 \\
+    python -m bench.trainer_memory --shape tiny --lengths 8,16 --sequences 4 --micro-batches 1 \\
                                    --steps 1 --compile off             # the CPU check of the script
 
 A model of SmolLM2-135M's shape (Llama, 30 layers, hidden 576, vocabulary 49,152, tied
@@ -200,7 +200,11 @@ def main() -> None:
     parser.add_argument("--checkpointing", default="off", help="activation checkpointing: off, on, or both")
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after two untimed ones")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: --shape tiny at 4 and 8 tokens, one step")
     args = parser.parse_args()
+    if args.tiny:
+        args.shape, args.lengths, args.sequences, args.micro_batches = "tiny", "4,8", 4, 2
+        args.prompt_tokens, args.compile, args.checkpointing, args.steps = 6, "off", "off", 1
     import torch
 
     rows = []

@@ -1,7 +1,7 @@
 """The trainer's GRPO step on one GPU at a real shape: tokens per second and model FLOPs
 utilisation (MFU) against the card's bf16 peak.
 
-    python bench/trainer_mfu.py [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
+    python -m bench.trainer_mfu [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
                                 [--completion-tokens 768] [--micro 8,16] [--checkpointing on,off]
                                 [--compile on,off] [--steps 10] [--max-warmup 8] [--json OUT]
 
@@ -35,25 +35,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from vllm_gpu import SHAPES, VOCAB, gpu_name, say  # noqa: E402
+from bench.common import gpu_name, say
+from bench.models import QWEN_SHAPES as SHAPES
+from bench.models import QWEN_TINY, qwen_config
+from bench.models import QWEN_VOCAB as VOCAB
 
 PEAK_BF16_FLOPS = 989.4e12
 TARGET_MFU = 0.40
 STEADY = 0.05  # warm-up ends at a step within this fraction of the previous one's tokens per second
 # A tiny shape for checking the script on a CPU (`--shape tiny --sequences 8 --prompt-tokens 16
 # --completion-tokens 16`); its figures mean nothing.
-MFU_SHAPES = {
-    **SHAPES,
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1),
-}  # fmt: skip
+MFU_SHAPES = {**SHAPES, "tiny": QWEN_TINY}
 
 
 def device() -> str:
@@ -71,12 +66,9 @@ def synchronize() -> None:
 
 def make_model(shape: str, checkpointing: bool, compiled: bool):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **MFU_SHAPES[shape],
-    )  # fmt: skip
+    config = qwen_config(MFU_SHAPES[shape])
     torch.manual_seed(0)
     with torch.device(device()):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -228,7 +220,11 @@ def main() -> None:
     parser.add_argument("--max-warmup", type=int, default=8, help="most untimed steps before timing")
     parser.add_argument("--profile", action="store_true", help="profile one step of the first configuration")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: --shape tiny, 8 short sequences, a step")
     args = parser.parse_args()
+    if args.tiny:
+        args.shape, args.sequences, args.prompt_tokens, args.completion_tokens = "tiny", 8, 16, 16
+        args.micro, args.checkpointing, args.compile, args.steps, args.max_warmup = "8", "off", "off", 1, 2
     import torch
 
     if args.profile:

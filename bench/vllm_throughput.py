@@ -1,6 +1,6 @@
 """Generation throughput through the spool against LLM.generate in one process, same batch.
 
-    .venvs/rollout/bin/python bench/vllm_throughput.py [--prompts 64 --samples 8 --tokens 64] [--repeats 3] [--json OUT]
+    .venvs/rollout/bin/python -m bench.vllm_throughput [--prompts 64 --samples 8 --tokens 64] [--repeats 3] [--json OUT]
 
 Direct: vLLM's `LLM` built with the worker's engine settings, `generate` on the batch.
 Spool: a `rollout-svc serve --engine vllm` worker; the producer submits the batch as one
@@ -17,7 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import build_models, parameter_count, report, start_worker, stop, wait_until
+from bench.common import report
+from bench.engines import FileReadingEngine
+from bench.models import build_models, parameter_count
+from bench.workers import serving, start_worker, stop, wait_until
 
 TARGET_RATIO = 0.95
 
@@ -54,20 +57,33 @@ def direct(model: Path, args) -> list[float]:
     return rates
 
 
+def direct_stand_in(model: Path, args) -> list[float]:
+    """--tiny: the same batch and count through the engine's stand-in (no vLLM), in this process."""
+    from protocol.messages import Request
+
+    engine = FileReadingEngine()
+    prompts, fields = batch(args)
+    rates = []
+    for i in range(args.repeats + 1):  # the first one warms up
+        request = Request(request_id=f"direct-{i}", weights_dir=str(model), prompts=prompts, **fields)
+        started = time.perf_counter()
+        done = engine.generate([request])[0]
+        elapsed = time.perf_counter() - started
+        if i:
+            rates.append(sum(len(t) for p in done.token_ids for t in p) / elapsed)
+    return rates
+
+
 def through_spool(model: Path, root: Path, args) -> list[float]:
     from protocol.client import SpoolClient
     from protocol.messages import Request
     from protocol.spool import Spool
 
     spool = Spool(root / "spool", create=True)
-    proc = start_worker(
-        spool,
-        "bench-vllm",
-        ["--engine", "vllm", "--weights", str(model), "--allowed-root", str(root), "--idle-exit", "0"],
-        root,
-    )
+    engine = ["--engine", "echo"] if args.tiny else ["--engine", "vllm", "--weights", str(model)]
+    proc = start_worker(spool, "bench-vllm", [*engine, "--allowed-root", str(root), "--idle-exit", "0"], root)
     try:
-        wait_until(spool, "bench-vllm", lambda s: s.state == "idle" and s.weights_dir)
+        wait_until(spool, "bench-vllm", serving)
         prompts, fields = batch(args)
         rates = []
         with SpoolClient(spool.root) as client:
@@ -94,10 +110,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: no vLLM, an echo worker")
     args = parser.parse_args()
+    if args.tiny:
+        args.hidden, args.layers, args.prompts, args.samples, args.tokens, args.repeats = 64, 1, 4, 2, 8, 1
     root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     model = build_models(root, ["a"], hidden=args.hidden, layers=args.layers)["a"]
-    direct_rates = direct(model, args)
+    direct_rates = direct_stand_in(model, args) if args.tiny else direct(model, args)
     spool_rates = through_spool(model, root, args)
     d, s = statistics.median(direct_rates), statistics.median(spool_rates)
     report(

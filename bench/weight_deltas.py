@@ -1,7 +1,7 @@
 """Sparse weight deltas on real training: how much of the weights changes per step, and what a
 delta costs to encode and to apply.
 
-    .venvs/rollout/bin/python bench/weight_deltas.py [--steps 40] [--dtype float32|bfloat16]
+    .venvs/rollout/bin/python -m bench.weight_deltas [--steps 40] [--dtype float32|bfloat16]
         [--delta off|on] [--config configs/demo.toml] [--model runs/demo/sft-model] [--json OUT]
 
 Runs `trainer-svc train` with the demo's config (configs/demo.toml: the tiny model, GRPO on CPU,
@@ -38,14 +38,14 @@ from pathlib import Path
 import numpy as np
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from run_config import ROLLOUT_VENV, merge, write_run_config  # noqa: E402
+from bench import synthetic
+from bench.common import ROOT, VENVS, borrow_from_trainer_venv, sources_first
+from bench.models import build_models
+from protocol import weight_delta, weights_chain
+from protocol.weights_dir import read_manifest
+from tests.run_config import ROLLOUT_VENV, merge, write_run_config  # the tests' trainer configs
 
-from protocol import weight_delta, weights_chain  # noqa: E402
-from protocol.weights_dir import read_manifest  # noqa: E402
-
-TRAINER_VENV = ROOT / ".venvs" / "trainer"
+TRAINER_VENV = VENVS / "trainer"
 
 
 def main() -> None:
@@ -56,12 +56,17 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
     parser.add_argument("--model", type=Path, help="default: the demo's warm-up output, or the config's model")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a check of the script: no launch, a tiny model's publishes"
+    )
     args = parser.parse_args()
     args.settings = tomllib.loads(args.config.read_text())
-    if args.model is None:
+    if args.tiny:
+        args.steps, args.model = 3, args.model or Path("tiny-model")  # built in train(): no launch reads it
+    elif args.model is None:
         demo = args.config.resolve() == (ROOT / "configs" / "demo.toml").resolve()
         args.model = ROOT / "runs" / "demo" / "sft-model" if demo else ROOT / args.settings["model"]["path"]
-    if not (args.model / "config.json").is_file():
+    if not (args.tiny or (args.model / "config.json").is_file()):
         sys.exit(f"{args.model} is missing: run `make demo` (or `trainer-svc sft configs/demo.toml`) first")
     work = Path(tempfile.mkdtemp(prefix="weight-deltas-"))
     try:
@@ -107,14 +112,12 @@ def train(work: Path, args) -> float:
             },
         ),
     )
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(ROOT / p / "src") for p in ("protocol", "rollout_svc", "trainer_svc")]
-            + [os.environ.get("PYTHONPATH", "")]
-        ),
-    )
+    env = sources_first(os.environ, "protocol", "rollout_svc", "trainer_svc")
     started = time.monotonic()
+    if args.tiny:
+        synthetic.stand_in_train(config)
+        tiny_publishes(work / "run" / "weights", args.steps, args.dtype)
+        return time.monotonic() - started
     with open(work / "train.log", "wb") as log:
         done = subprocess.run(
             [str(TRAINER_VENV / "bin" / "trainer-svc"), "train", str(config)],
@@ -126,6 +129,22 @@ def train(work: Path, args) -> float:
     if done.returncode != 0:
         sys.exit(f"trainer-svc train failed ({done.returncode}):\n" + (work / "train.log").read_text()[-4000:])
     return time.monotonic() - started
+
+
+def tiny_publishes(publish_dir: Path, steps: int, dtype: str) -> None:
+    """--tiny: what publishing every step leaves, from a tiny model whose first column moves a step."""
+    borrow_from_trainer_venv("crc32c")  # the trainer's writer, run here
+    import torch
+    from safetensors.torch import load_file
+
+    from trainer_svc.weights.publish import publish
+
+    base = build_models(publish_dir.parent / "models", ["base"], hidden=64, layers=1)["base"]
+    tensors = load_file(base / "model.safetensors")
+    for step in range(1, steps + 1):
+        for tensor in tensors.values():
+            tensor[..., :1] += 1e-2
+        publish(step, tensors, publish_dir=publish_dir, base_model=base, dtype=getattr(torch, dtype))
 
 
 def load_full(directory: Path) -> dict[str, np.ndarray]:
@@ -195,7 +214,7 @@ def measure(publish_dir: Path, args) -> dict:
     ratios = [r["delta_over_full"] for r in rows]
     manifest = read_manifest(found[-1].path) if found else None
     return {
-        "command": " ".join(["bench/weight_deltas.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.weight_deltas", *sys.argv[1:]]),
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         "steps": len(found),
         "dtype": manifest.dtype if manifest else args.dtype,

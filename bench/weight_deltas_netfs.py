@@ -2,7 +2,7 @@
 loading on another (two hosts' views of one export), SmolLM2-135M in bfloat16.
 
     PYTHONPATH=protocol/src:rollout_svc/src:trainer_svc/src \
-        .venvs/trainer/bin/python bench/weight_deltas_netfs.py [--steps 8] [--fraction 0.02] [--json OUT]
+        .venvs/trainer/bin/python -m bench.weight_deltas_netfs [--steps 8] [--fraction 0.02] [--json OUT]
 
 (both services' code on the path: the trainer's publisher and the worker's loader run here side by
 side; each venv holds its own service only.)
@@ -35,19 +35,18 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "tests"))  # the mount helpers
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from netfs import SshServer, missing_prerequisites, sshfs_mount  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from protocol.watch import filesystem_type  # noqa: E402
-from rollout_svc.delta_load import DeltaLoader  # noqa: E402
-from rollout_svc.weight_forms import DeltaWeights, resolve  # noqa: E402
-from rollout_svc.weights import WeightsPolicy  # noqa: E402
-from trainer_svc.weights.deltas import DeltaWriter  # noqa: E402
-from trainer_svc.weights.publish import publish  # noqa: E402
+from bench.common import ROOT
+from bench.models import build_models
+from protocol.watch import filesystem_type
+from rollout_svc.delta_load import DeltaLoader
+from rollout_svc.weight_forms import DeltaWeights, resolve
+from rollout_svc.weights import WeightsPolicy
+from tests.netfs import DIR_CACHE_S, SshServer, missing_prerequisites, sshfs_mount  # the tests' mount helpers
+from trainer_svc.weights.deltas import DeltaWriter
+from trainer_svc.weights.publish import publish
 
 MODEL = ROOT / "build" / "smollm2-135m-instruct"
 
@@ -82,10 +81,14 @@ def main() -> None:
     parser.add_argument("--anchor-every", type=int, default=8)
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: a tiny model, 2 steps")
     args = parser.parse_args()
     missing = missing_prerequisites("sshfs")
     if missing:
         sys.exit(f"missing: {', '.join(missing)} (apt-get install sshfs openssh-server)")
+    if args.tiny:
+        args.steps, args.fraction = 2, 0.05
+        args.model = build_models(Path(tempfile.mkdtemp(prefix="deltas-netfs-model-")), ["m"], hidden=64, layers=1)["m"]
     if not (args.model / "config.json").is_file():
         sys.exit(f"{args.model} is missing: run `make real-model`")
     torch.set_num_threads(2)
@@ -119,6 +122,8 @@ def main() -> None:
                 record = publisher.publish(
                     step, tensors, publish_dir=trainer / "delta", base_model=args.model, dtype=torch.bfloat16
                 )
+                if args.tiny and step > 1:  # a tiny step outruns the worker mount's listing cache; a real one does not
+                    time.sleep(2 * DIR_CACHE_S + 0.1)
                 published = time.perf_counter()
                 form = resolve(loader.policy, str(worker / "delta" / record.path.name))  # an anchor at first
                 weights = loader.weights(form) if isinstance(form, DeltaWeights) else form.weights
@@ -152,7 +157,7 @@ def main() -> None:
     full_s = median("full_publish_s", rows) + median("full_load_s", rows)
     delta_s = (median("delta_publish_s", deltas) or 0) + (median("delta_load_s", deltas) or 0)
     figures = {
-        "command": " ".join(["bench/weight_deltas_netfs.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.weight_deltas_netfs", *sys.argv[1:]]),
         "machine": f"{platform.node()}: {os.cpu_count()} cores; sshfs over loopback ({filesystem_type(base)} below)",
         "model": str(args.model.name),
         "full_bytes": full_bytes,

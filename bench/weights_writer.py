@@ -1,8 +1,8 @@
 """Publishing weights: trainer_svc.weights.writer against save_pretrained and the medium's raw speed.
 
-    .venvs/trainer/bin/python bench/weights_writer.py [--shapes tiny,llama-100m] [--media DISK_DIR,/dev/shm]
+    .venvs/trainer/bin/python -m bench.weights_writer [--shapes tiny,llama-100m] [--media DISK_DIR,/dev/shm]
                                                       [--repeats 5] [--json OUT]
-    python bench/weights_writer.py --shapes qwen2.5-0.5b,qwen2.5-1.5b     (on a GPU host: CUDA tensors, bf16)
+    python -m bench.weights_writer --shapes qwen2.5-0.5b,qwen2.5-1.5b     (on a GPU host: CUDA tensors, bf16)
 
 For each model shape (random-initialised, built here, nothing downloaded) and each medium, in one
 run, repeats interleaved so that all figures share the same minutes of a shared machine:
@@ -109,11 +109,12 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, base_dir: Path):
     return model
 
 
-def raw_bandwidth(directory: Path, nbytes: int, tmpfs: bool) -> float:
-    """Bytes per second dd writes, for nbytes rounded up to 64 MiB blocks (at least 512 MiB)."""
-    count = max(8, -(-nbytes // 2**26))
+def raw_bandwidth(directory: Path, nbytes: int, tmpfs: bool, block: int = 2**26, least: int = 8) -> float:
+    """Bytes per second dd writes, for nbytes rounded up to blocks of `block` bytes (at least `least`
+    of them: 512 MiB by default)."""
+    count = max(least, -(-nbytes // block))
     target = directory / "dd.raw"
-    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "conv=fsync"]
+    cmd = ["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={count}", "conv=fsync"]
     if not tmpfs:
         cmd.append("oflag=direct")
     try:
@@ -122,7 +123,7 @@ def raw_bandwidth(directory: Path, nbytes: int, tmpfs: bool) -> float:
         seconds = time.perf_counter() - started
     finally:
         target.unlink(missing_ok=True)
-    return count * 2**26 / seconds
+    return count * block / seconds
 
 
 def timed(fn) -> float:
@@ -149,7 +150,7 @@ def weight_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-def measure(model, base_dir: Path, medium: Path, tmpfs: bool, repeats: int, dist_info) -> dict:
+def measure(model, base_dir: Path, medium: Path, tmpfs: bool, repeats: int, dist_info, tiny: bool = False) -> dict:
     runs: dict[str, list[float]] = {"raw": [], "writer": [], "writer_no_crc": [], "save_pretrained": []}
     nbytes = 0
     for repeat in range(repeats):
@@ -170,7 +171,8 @@ def measure(model, base_dir: Path, medium: Path, tmpfs: bool, repeats: int, dist
                 if key == "writer":  # its size is the one the raw write and the table use
                     nbytes = written
                 shutil.rmtree(out)
-            runs["raw"].append(raw_bandwidth(work, nbytes, tmpfs))
+            raw = {"block": 2**20, "least": 1} if tiny else {}  # the check writes megabytes, not 512 MiB
+            runs["raw"].append(raw_bandwidth(work, nbytes, tmpfs, **raw))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     result = {"bytes": nbytes}
@@ -240,7 +242,12 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a check of the script: the tiny shape, once, in a temp dir"
+    )
     args = parser.parse_args()
+    if args.tiny:
+        args.shapes, args.media, args.repeats = "tiny", tempfile.mkdtemp(prefix="bench-ww-medium-"), 1
 
     from trainer_svc.distributed import Distributed
 
@@ -261,7 +268,7 @@ def main() -> None:
             medium_path = Path(medium)
             medium_path.mkdir(parents=True, exist_ok=True)
             fs = filesystem(medium_path)
-            result = measure(model, base_dir, medium_path, fs == "tmpfs", args.repeats, dist_info)
+            result = measure(model, base_dir, medium_path, fs == "tmpfs", args.repeats, dist_info, args.tiny)
             results.append(
                 {
                     "shape": shape,

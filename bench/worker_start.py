@@ -1,7 +1,7 @@
 """A rollout worker's start and its generation, with vLLM's torch.compile and without, side by side
 in one run: what `--no-compile` saves at launch and what it costs per engine call.
 
-    python bench/worker_start.py --model DIR [--launches compile-cold,compile-warm,no-compile]
+    python -m bench.worker_start --model DIR [--launches compile-cold,compile-warm,no-compile]
                                  [--calls 5] [--prompts 64 --samples 8 --tokens 16] [--json OUT]
 
 Each launch is a real `rollout-svc serve --weights DIR` (bfloat16 on a GPU, 0.3 of it, as a
@@ -25,16 +25,13 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import report, start_worker, stop, wait_until  # noqa: E402
-from generation_gap_gpu import chat_prompts  # noqa: E402
+from bench.common import report
+from bench.generation_gap_gpu import chat_prompts
+from bench.workers import serving, start_worker, stop, wait_until
 
 LAUNCHES = ("compile-cold", "compile-warm", "no-compile")
 # Lines of the worker's log that say where its start went.
@@ -54,8 +51,8 @@ def launch(name: str, model: Path, prompts: list[str], root: Path, args) -> dict
         shutil.rmtree(cache, ignore_errors=True)
     os.environ["VLLM_CACHE_ROOT"] = str(cache)  # the worker inherits it
     spool = Spool(root / f"spool-{name}", create=True)
-    worker_args = ["--engine", "vllm", "--weights", str(model), "--allowed-root", str(model.parent),
-                   "--idle-exit", "0", "--max-model-len", "512"]  # fmt: skip
+    engine = ["--engine", "echo"] if args.tiny else ["--engine", "vllm", "--weights", str(model)]
+    worker_args = [*engine, "--allowed-root", str(model.parent), "--idle-exit", "0", "--max-model-len", "512"]
     if args.gpu:
         worker_args += ["--gpu-memory-utilization", "0.3"]
     if name == "no-compile":
@@ -63,7 +60,7 @@ def launch(name: str, model: Path, prompts: list[str], root: Path, args) -> dict
     started = time.perf_counter()
     proc = start_worker(spool, name, worker_args, root)
     try:
-        wait_until(spool, name, lambda s: s.state == "idle" and s.weights_dir, timeout_s=900)
+        wait_until(spool, name, serving, timeout_s=900)
         ready_s = time.perf_counter() - started
         calls = []
         with SpoolClient(spool.root) as client:
@@ -93,7 +90,7 @@ def launch(name: str, model: Path, prompts: list[str], root: Path, args) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="an HF model directory")
+    parser.add_argument("--model", type=Path, help="an HF model directory (required but with --tiny)")
     parser.add_argument("--launches", default=",".join(LAUNCHES), help=f"comma-separated, of {', '.join(LAUNCHES)}")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=64)
@@ -101,7 +98,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--root", default=None, help="where the spools, logs and compile cache go")
     parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a check of the script: echo workers, 2 calls each")
     args = parser.parse_args()
+    if args.tiny:
+        from bench.tokenizer_check import tiny_tokenizer
+
+        args.model = args.model or tiny_tokenizer()  # the prompts need a tokenizer, the echo no weights
+        args.calls, args.prompts, args.samples, args.tokens = 2, 4, 2, 8
+    elif not args.model:
+        parser.error("--model is required")
     names = args.launches.split(",")
     unknown = set(names) - set(LAUNCHES)
     if unknown:

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import trl_gpu_compare as compare
 
-import trl_gpu_compare as compare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = ROOT / "configs" / "smollm2-gpu.toml"
 
