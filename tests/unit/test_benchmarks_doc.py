@@ -16,7 +16,9 @@ HISTORY = ROOT / "docs" / "BENCHMARKS_HISTORY.md"
 SUMMARY_COLUMNS = ["what", "value", "against", "machine", "date", "command", "section"]
 LINK = re.compile(r"\[[^\]]*\]\(#([^)]+)\)")
 HISTORY_LINK = re.compile(r"\(BENCHMARKS_HISTORY\.md#([^)]+)\)")
-BENCH_SCRIPT = re.compile(r"\bbench/[\w./-]+")
+# A command names a script as a module (python -m bench.NAME) or, for shell scripts, by path.
+BENCH_MODULE = re.compile(r"-m +bench\.(\w+)")
+BENCH_PATH = re.compile(r"\bbench/[\w./-]+")
 FENCE = re.compile(r"^(```|~~~)")
 
 
@@ -83,7 +85,12 @@ def broken_links(text: str) -> list[str]:
 
 def missing_scripts(text: str, root: Path) -> list[str]:
     """bench/ paths named in the summary's command column that are not files under root."""
-    named = [path for row in summary_rows(text) for path in BENCH_SCRIPT.findall(row[5])]
+    named = [
+        path
+        for row in summary_rows(text)
+        for path in BENCH_PATH.findall(row[5])
+        + [f"bench/{name}.py" for name in BENCH_MODULE.findall(row[5])]
+    ]
     assert named, "no row's command names a bench/ script"
     return [path for path in named if not (root / path).is_file()]
 
@@ -111,7 +118,8 @@ GOOD = """# Benchmarks
 
 | what | value | against | machine | date | command | section |
 | --- | --- | --- | --- | --- | --- | --- |
-| round trip | 5 ms | 7 ms | cpu | 12-01 | `bench/spool_roundtrip.py` | [Spool, again](#spool-again-the-2nd-run) |
+| round trip | 5 ms | 7 ms | cpu | 12-01 | `python -m bench.spool_roundtrip` | [Spool, again](#spool-again-the-2nd-run) |
+| build | 1 s | 2 s | cpu | 12-01 | `bench/build_trl_bundle.sh` | [Spool, again](#spool-again-the-2nd-run) |
 
 ## Spool, again: the 2nd run
 """
@@ -128,18 +136,23 @@ def test_a_good_document_passes():
 
 
 def test_a_link_to_no_heading_is_reported():
-    text = GOOD.replace("(#spool-again-the-2nd-run)", "(#spool-again)")
+    text = GOOD.replace("(#spool-again-the-2nd-run)", "(#spool-again)", 1)
     assert broken_links(text) == ["round trip: #spool-again"]
 
 
 def test_a_row_without_a_link_is_reported():
-    text = GOOD.replace("[Spool, again](#spool-again-the-2nd-run)", "Spool")
+    text = GOOD.replace("[Spool, again](#spool-again-the-2nd-run)", "Spool", 1)
     assert len(broken_links(text)) == 1
 
 
-def test_a_missing_script_is_reported():
-    text = GOOD.replace("bench/spool_roundtrip.py", "bench/no_such_bench.py")
+def test_a_missing_module_is_reported():
+    text = GOOD.replace("-m bench.spool_roundtrip", "-m bench.no_such_bench")
     assert missing_scripts(text, ROOT) == ["bench/no_such_bench.py"]
+
+
+def test_a_missing_shell_script_is_reported():
+    text = GOOD.replace("bench/build_trl_bundle.sh", "bench/no_such_bundle.sh")
+    assert missing_scripts(text, ROOT) == ["bench/no_such_bundle.sh"]
 
 
 def test_a_summary_after_the_first_section_is_rejected():
