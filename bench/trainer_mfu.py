@@ -135,7 +135,11 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
                 "compile": "on" if compiled else "off",
             },
             "rollout": {"max_tokens": args.completion_tokens, "temperature": 1.0},
-            "train": {"steps": 1000, "grad_accum": args.sequences // micro},
+            "train": {
+                "steps": 1000,
+                "grad_accum": args.sequences // micro,
+                **({"max_tokens_per_micro_batch": args.micro_tokens} if args.micro_tokens else {}),
+            },
         },
         Config,
     )
@@ -214,6 +218,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--completion-tokens", type=int, default=768)
     parser.add_argument("--micro", default="8,16", help="sequences per micro-batch, comma-separated")
+    parser.add_argument(
+        "--micro-tokens", type=int, help="train.max_tokens_per_micro_batch (default: the trainer's automatic budget)"
+    )
     parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
     parser.add_argument("--compile", default="on,off", help="on, off, or both")
     parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")

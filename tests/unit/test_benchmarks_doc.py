@@ -118,7 +118,7 @@ GOOD = """# Benchmarks
 
 | what | value | against | machine | date | command | section |
 | --- | --- | --- | --- | --- | --- | --- |
-| round trip | 5 ms | 7 ms | cpu | 12-01 | `python -m bench.spool_roundtrip` | [Spool, again](#spool-again-the-2nd-run) |
+| round trip | 5 ms | 7 | cpu | 12-01 | `python -m bench.spool_roundtrip` | [Spool, again](#spool-again-the-2nd-run) |
 | build | 1 s | 2 s | cpu | 12-01 | `bench/build_trl_bundle.sh` | [Spool, again](#spool-again-the-2nd-run) |
 
 ## Spool, again: the 2nd run
