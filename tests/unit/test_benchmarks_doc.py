@@ -88,8 +88,7 @@ def missing_scripts(text: str, root: Path) -> list[str]:
     named = [
         path
         for row in summary_rows(text)
-        for path in BENCH_PATH.findall(row[5])
-        + [f"bench/{name}.py" for name in BENCH_MODULE.findall(row[5])]
+        for path in BENCH_PATH.findall(row[5]) + [f"bench/{name}.py" for name in BENCH_MODULE.findall(row[5])]
     ]
     assert named, "no row's command names a bench/ script"
     return [path for path in named if not (root / path).is_file()]
