@@ -96,7 +96,7 @@ def test_the_reference_exercises_every_branch():
 def test_stats_are_sums_over_masked_tokens_and_k3_is_the_hand_formula():
     log_r = log_ratio(OLD, ENGINE, MASK)
     _, changed = correction_weights(log_r, MASK, "icepop", **BAND)
-    stats = correction_stats(log_r, MASK, changed)
+    stats = {key: float(value) for key, value in correction_stats(log_r, MASK, changed).items()}
     flat = [r for row in ratios() for r in row if r is not None]
     assert stats["tokens"] == len(flat) == 6
     assert stats["ratio_sum"] == pytest.approx(sum(flat), rel=1e-6)
@@ -110,7 +110,7 @@ def test_engine_and_trainer_in_agreement_change_nothing():
     for kind in ("tis", "icepop", "token_mask", "sequence_mask"):
         c, changed = correction_weights(log_r, MASK, kind, **BAND)
         assert torch.equal(c, MASK) and changed.sum() == 0
-    assert correction_stats(log_r, MASK, torch.zeros_like(MASK))["k3_sum"] == 0.0
+    assert float(correction_stats(log_r, MASK, torch.zeros_like(MASK))["k3_sum"]) == 0.0
 
 
 def test_an_unknown_correction_is_refused():

@@ -81,16 +81,18 @@ def correction_weights(
     return c.detach(), changed.to(ratio.dtype)
 
 
-def correction_stats(log_r: Tensor, mask: Tensor, changed: Tensor) -> dict[str, float]:
+def correction_stats(log_r: Tensor, mask: Tensor, changed: Tensor) -> dict[str, Tensor]:
     """Sums over the masked tokens, for a step's statistics to add up over micro-batches and
-    ranks: ratio_sum, ratio_max, changed_sum, k3_sum, tokens."""
+    ranks: ratio_sum, ratio_max, changed_sum, k3_sum, tokens. 0-dim tensors on the batch's device,
+    read back once a step: a read per micro-batch would make the host wait for the device."""
     on = mask > 0
     ratio = torch.exp(log_r)
     k3 = ratio - 1 - log_r
     return {
-        "ratio_sum": float((ratio * on).sum()),
-        "ratio_max": float(ratio[on].max()) if on.any() else 0.0,
-        "changed_sum": float(changed.sum()),
-        "k3_sum": float((k3 * on).sum()),
-        "tokens": float(on.sum()),
+        "ratio_sum": (ratio * on).sum(),
+        # ratios are > 0, so 0 stands for "no token" (numel is a shape: no wait for the device)
+        "ratio_max": torch.where(on, ratio, 0.0).max() if ratio.numel() else ratio.new_zeros(()),
+        "changed_sum": changed.sum(),
+        "k3_sum": (k3 * on).sum(),
+        "tokens": on.sum(),
     }

@@ -119,10 +119,11 @@ def train_step(
                 model, mb, totals, old_mb, None if ref is None else ref[u][i], cfg, compiled, tally
             )
             (loss * grpo.rank_scale(dist_info.world_size)).backward()
-        tally.grad_norm += float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)))
+        tally.put("grad_norm", _full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    tally.read()
     if dist_info.world_size > 1:  # every rank reports the whole step, so every rank judges it alike
         tally.add_over_ranks(dist_info.device)
     return tally.report(len(updates), scheduler.get_last_lr()[0])
@@ -161,38 +162,55 @@ def _micro_batch_loss(
     if ref is not None:
         kl = grpo.kl_penalty(logp, ref, weights, 1.0)
         loss = loss + loss_cfg.kl_coef * kl
-        tally.sums["kl"] += float(kl)
+        tally.put("kl", kl)
     tally.add(mb, loss, weights, entropy, stats, old, corrections.correction_stats(log_r, mb.mask, changed))
     return loss
 
 
 class _Tally:
-    """A step's statistics as sums (and maxima) over its micro-batches, then its ranks."""
+    """A step's statistics as sums (and maxima) over its micro-batches, then its ranks. They stay
+    on the device until the step ends and are read back in one transfer: a read per micro-batch
+    would make the host wait for the device each time, so it could not queue the next kernels."""
+
+    SUMS = ("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch")
+    SUMS += ("ratio_sum", "changed_sum", "k3_sum", "grad_norm")  # grad_norm: summed over updates only
+    PEAKS = ("mismatch_max", "ratio_max")
 
     def __init__(self) -> None:
-        self.sums = dict.fromkeys(
-            ("loss", "entropy", "kl", "clip_low", "clip_high", "weight", "tokens", "mismatch"), 0.0
-        )
-        self.sums |= dict.fromkeys(("ratio_sum", "changed_sum", "k3_sum"), 0.0)
-        self.peaks = {"mismatch_max": 0.0, "ratio_max": 0.0}
-        self.grad_norm = 0.0  # the same on every rank (clipping reduces over ranks): summed over updates only
+        self.parts: dict[str, list[torch.Tensor]] = {key: [] for key in self.SUMS + self.PEAKS}
+        self.sums: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
+        self.grad_norm = 0.0
         self.micro_batches = 0  # this rank's forward and backward passes, the same on every rank
 
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self.parts[key].append(value.detach().reshape(()).to(torch.float64))
+
     def add(self, mb: Batch, loss, weights, entropy, stats: dict, old: torch.Tensor, gap: dict) -> None:
-        sums, peaks = self.sums, self.peaks
-        tokens = float(mb.mask.sum())
+        tokens = mb.mask.sum()
         mismatch = (old - mb.rollout_logprobs).abs() * mb.mask
-        sums["loss"] += float(loss.detach())
-        sums["entropy"] += float((weights * entropy).sum())
-        sums["weight"] += float(weights.sum())
-        sums["clip_low"] += float(stats["clip_fraction_low"]) * tokens
-        sums["clip_high"] += float(stats["clip_fraction_high"]) * tokens
-        sums["tokens"] += tokens
-        sums["mismatch"] += float(mismatch.sum())
+        self.put("loss", loss)
+        self.put("entropy", (weights * entropy).sum())
+        self.put("weight", weights.sum())
+        self.put("clip_low", stats["clip_fraction_low"] * tokens)
+        self.put("clip_high", stats["clip_fraction_high"] * tokens)
+        self.put("tokens", tokens)
+        self.put("mismatch", mismatch.sum())
         for key in ("ratio_sum", "changed_sum", "k3_sum"):
-            sums[key] += gap[key]
-        peaks["mismatch_max"] = max(peaks["mismatch_max"], float(mismatch.max()) if tokens else 0.0)
-        peaks["ratio_max"] = max(peaks["ratio_max"], gap["ratio_max"])
+            self.put(key, gap[key])
+        self.put("mismatch_max", mismatch.max() if mismatch.numel() else mismatch.new_zeros(()))
+        self.put("ratio_max", gap["ratio_max"])
+
+    def read(self) -> None:
+        """The step's sums and maxima, read back from the device at once."""
+        values = [torch.stack(self.parts[key]).sum() if self.parts[key] else None for key in self.SUMS]
+        values += [torch.stack(self.parts[key]).max() if self.parts[key] else None for key in self.PEAKS]
+        present = [v for v in values if v is not None]
+        read = iter(torch.stack(present).tolist() if present else [])
+        numbers = [0.0 if v is None else next(read) for v in values]
+        self.sums = dict(zip(self.SUMS, numbers[: len(self.SUMS)], strict=True))
+        self.peaks = dict(zip(self.PEAKS, numbers[len(self.SUMS) :], strict=True))
+        self.grad_norm = self.sums.pop("grad_norm")  # not added over ranks: clipping reduced it already
 
     def add_over_ranks(self, device: torch.device) -> None:
         self.sums, self.peaks = _over_ranks(self.sums, self.peaks, device)
