@@ -69,6 +69,17 @@ class ModelConfig(Struct):
             )
         ),
     ] = "auto"
+    attention: Annotated[
+        Literal["sdpa", "eager", "varlen"],
+        msgspec.Meta(
+            description=(
+                "The trainer's attention. sdpa: torch's scaled_dot_product_attention over padded micro-batches "
+                "(sorted by length). varlen: micro-batches packed without padding, each sequence attending to "
+                "itself alone through torch's varlen kernel on a GPU (torch >= 2.10; no flash-attn package), "
+                "a sequence at a time on a CPU; train.packing = auto then packs. eager: transformers' own."
+            )
+        ),
+    ] = "sdpa"
 
 
 class DataConfig(Struct):

@@ -157,7 +157,9 @@ def token_budget_split(batch: Batch, budget: int | None, count: int) -> list[Bat
 class Packed:
     """A micro-batch's sequences back to back in one row, without padding: `input_ids` and
     `position_ids` [1, T] (positions restart at 0 with each sequence, which is how the model's
-    attention tells them apart), `targets` and `mask` [1, T - 1]. The generated positions of the
+    attention tells them apart), `targets` and `mask` [1, T - 1]; `cu_seq_lens` [N + 1] int32
+    (where each sequence begins, then T) and `max_length` (the longest), which varlen attention
+    kernels take instead of a mask. The generated positions of the
     packed row, in order, are those of the padded batch in row-major order, so a per-position
     result over `mask` goes back with `padded_mask.masked_scatter`."""
 
@@ -165,6 +167,8 @@ class Packed:
     position_ids: torch.Tensor
     targets: torch.Tensor
     mask: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
 
 
 def pack(batch: Batch) -> Packed:
@@ -174,9 +178,11 @@ def pack(batch: Batch) -> Packed:
     real = batch.attention_mask.bool()  # [N, L]
     input_ids = batch.input_ids[real].unsqueeze(0)  # [1, T]
     starts = torch.cumsum(lengths, dim=0) - lengths  # [N] where each sequence begins
-    flat = torch.arange(int(lengths.sum()), device=lengths.device)
+    total, longest = (int(x) for x in torch.stack([lengths.sum(), lengths.max()]).tolist())  # one read
+    flat = torch.arange(total, device=lengths.device)
     position_ids = (flat - torch.repeat_interleave(starts, lengths)).unsqueeze(0)  # [1, T]
     # A sequence's n - 1 predicting positions, then the boundary (0), except after the last one.
     mask_rows = torch.cat([batch.mask, torch.zeros_like(batch.mask[:, :1])], dim=1)  # [N, L]: a 0 after the end
     mask = mask_rows[real]  # [T]: position t of a sequence predicts its token t + 1 (0 at its last token)
-    return Packed(input_ids, position_ids, input_ids[:, 1:].clone(), mask[:-1].unsqueeze(0))
+    cu_seq_lens = torch.cat([starts, lengths.sum().reshape(1)]).to(torch.int32)  # [N + 1]
+    return Packed(input_ids, position_ids, input_ids[:, 1:].clone(), mask[:-1].unsqueeze(0), cu_seq_lens, longest)

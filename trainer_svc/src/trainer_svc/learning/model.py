@@ -39,12 +39,16 @@ def load_policy(
     compiled: bool = False,
     lora=None,
     seed: int = 0,
+    attention: str = "sdpa",
 ):
     """`lora` (a LoraConfig with rank > 0): a PEFT adapter on the frozen model (learning/lora.py),
-    put on before the layers are compiled or sharded, initialised from `seed` on every rank."""
+    put on before the layers are compiled or sharded, initialised from `seed` on every rank.
+    `attention`: model.attention (sdpa, eager, or varlen: learning/varlen_attention.py)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dist_info.device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attention_implementation(attention)
+    ).to(dist_info.device)
     model.config.use_cache = False
     if lora is not None and lora.on:
         from .lora import with_adapter
@@ -104,11 +108,24 @@ def shard(model) -> None:
     fully_shard(model)
 
 
-def load_reference(path: str, dtype: torch.dtype, device: torch.device):
+def attention_implementation(attention: str) -> str:
+    """model.attention as the name transformers knows (varlen: registered with it first)."""
+    if attention == "varlen":
+        from .varlen_attention import register
+
+        return register()
+    return attention
+
+
+def load_reference(path: str, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
     """A frozen copy of the starting model, for the KL term (kept whole on every rank)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(attention))
+        .to(device)
+        .eval()
+    )
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import grpo
 from .batch import Batch, pack
+from .varlen_attention import NAME as VARLEN_NAME
 
 CHUNK_BYTES = 256 * 2**20  # float32 logits a chunk (the chunk's transient peak is about 4x this)
 # Architectures whose logits are exactly the output projection of the last hidden state.
@@ -92,6 +93,9 @@ def sequence_logprobs(
         row = pack(batch)
         source = row.mask.bool()  # [1, T-1]: its generated positions are mask's, in the same order
         inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids, "use_cache": False}
+        # varlen kernels (flash_attention_2/3, model.attention = "varlen") read the boundaries here
+        inputs |= {"cu_seq_lens_q": row.cu_seq_lens, "cu_seq_lens_k": row.cu_seq_lens}
+        inputs |= {"max_length_q": row.max_length, "max_length_k": row.max_length}
         targets = row.targets
     else:
         source, targets = mask, batch.targets
@@ -219,7 +223,7 @@ def compiled_logprob_math() -> LogprobMath:
 # too, through a [T, T] mask per row, which for a micro-batch of many long sequences costs more
 # than the padding it saves: there the sequences are sorted by length instead (train.packing = "on"
 # forces packing anyway).
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", VARLEN_NAME)
 
 
 def use_packing(setting: str, model) -> bool:

@@ -256,10 +256,15 @@ def load_trainable(cfg: Config, dist_info: Distributed, tokenizer) -> Policy:
         compiled=compile_enabled(cfg.model.compile, dist_info.device),
         lora=cfg.lora,
         seed=cfg.run.seed,
+        attention=cfg.model.attention,
     )
     reference = None
     if cfg.loss.kl_coef > 0:  # with LoRA the starting model is the policy with its adapter off
-        reference = AdapterDisabled(model) if cfg.lora.on else load_reference(cfg.model.path, dtype, dist_info.device)
+        reference = (
+            AdapterDisabled(model)
+            if cfg.lora.on
+            else load_reference(cfg.model.path, dtype, dist_info.device, cfg.model.attention)
+        )
     optimizer = make_optimizer(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Policy(model, reference, optimizer, make_scheduler(optimizer, cfg), pad_id)
