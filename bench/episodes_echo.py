@@ -15,12 +15,17 @@ turn, turns per second, p50 and p99 turn latency (put to outcome in hand), the s
 turns served by the worker of the episode's previous turn (sticky), and resends. Every episode
 must finish with every turn's completion the echo of its prompt, or the run fails.
 
+`--sshfs`: both runs again with the spools on an sshfs mount (the tests' own: an sshd on a
+loopback port, tests/netfs.py), rows marked `storage`: the spool's cost per turn on a network
+filesystem against local disk (needs sshfs and sshd: `apt-get install sshfs openssh-server`).
+
 `--tiny`: 40 episodes of 3 turns on 2 workers, for the test that runs this script.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -97,6 +102,20 @@ def run_episodes(batcher: TurnBatcher, episodes: int, turns: int, think_s: float
     }
 
 
+def sshfs_spools(top: Path):
+    """A directory on an sshfs mount of `top/export`, for the spools; unmounted on exit."""
+    from tests.netfs import SshServer, missing_prerequisites, sshfs_mount  # the tests' mount helpers
+
+    missing = missing_prerequisites("sshfs")
+    if missing:
+        raise SystemExit(f"cannot mount sshfs: missing {', '.join(missing)} (apt-get install sshfs openssh-server)")
+    stack = contextlib.ExitStack()
+    server = SshServer(top / "sshd").start()
+    stack.callback(server.stop)
+    (top / "export").mkdir()
+    return stack, stack.enter_context(sshfs_mount(server, top / "export", top / "mnt"))
+
+
 def one_run(base: Path, name: str, args, max_prompts: int) -> dict:
     spool = Spool(base / name, create=True)
     log_dir = base / f"{name}-logs"
@@ -115,8 +134,8 @@ def one_run(base: Path, name: str, args, max_prompts: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    columns = ["batching", "max_prompts_per_request", "turns", "requests", "requests_per_s", "files_per_turn",
-               "turns_per_s", "p50_turn_ms", "p99_turn_ms", "sticky", "resent"]  # fmt: skip
+    columns = ["storage", "batching", "max_prompts_per_request", "turns", "requests", "requests_per_s",
+               "files_per_turn", "turns_per_s", "p50_turn_ms", "p99_turn_ms", "sticky", "resent"]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -134,13 +153,22 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="40 episodes of 3 turns on 2 workers")
     parser.add_argument("--spool-dir", type=Path, default=None, help="where the spools go (default: a temp dir)")
     parser.add_argument("--rollout-svc", type=Path, default=ROLLOUT_SVC, help="the rollout-svc command")
+    parser.add_argument("--sshfs", action="store_true", help="both runs again with the spools on an sshfs mount")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     if args.tiny:
         args.episodes, args.turns, args.workers = 40, 3, 2
+    rows = []
     with tempfile.TemporaryDirectory(dir=args.spool_dir) as tmp:
         base = Path(tmp)
-        rows = [one_run(base, "on", args, args.max_prompts), one_run(base, "off", args, 1)]
+        rows += [
+            {"storage": "local"} | one_run(base, name, args, m) for name, m in (("on", args.max_prompts), ("off", 1))
+        ]
+        if args.sshfs:
+            stack, mount = sshfs_spools(base / "net")
+            with stack:
+                for name, most in (("on", args.max_prompts), ("off", 1)):
+                    rows.append({"storage": "sshfs"} | one_run(mount, name, args, most))
     command = " ".join(["python -m bench.episodes_echo", *sys.argv[1:]])
     settings = {"episodes": args.episodes, "turns": args.turns, "workers": args.workers, "think_ms": args.think_ms}
     report = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -113,6 +114,21 @@ def test_prompts_as_token_ids_give_the_same_greedy_output(worker, models, client
     by_text = ask(client, models["a"], ["12+7="])
     by_ids = ask(client, models["a"], prompts=(), prompt_token_ids=by_text.prompt_token_ids)
     assert by_ids.ok and by_ids.token_ids == by_text.token_ids
+
+
+def test_a_prompt_that_extends_an_earlier_one_is_served_from_the_prefix_cache(worker, models, client_for):
+    """The result says how many prompt tokens the engine's prefix cache served
+    (`prompt_cached_tokens`): none for a prompt the worker has not seen, the earlier prompt's
+    for one that extends it (an episode's next turn on the worker of its previous one)."""
+    client = client_for(worker["spool"].root)
+    draw = random.Random(time.time_ns())  # a prompt no other test sent
+    first_ids = [draw.randrange(10, 120) for _ in range(MAX_MODEL_LEN // 2)]
+    first = ask(client, models["a"], prompts=(), prompt_token_ids=[first_ids], max_tokens=4)
+    assert first.ok and first.prompt_cached_tokens == [0]
+    turn = first_ids + first.token_ids[0][0] + [draw.randrange(10, 120) for _ in range(6)]
+    second = ask(client, models["a"], prompts=(), prompt_token_ids=[turn], max_tokens=4)
+    assert second.ok
+    assert 0 < second.prompt_cached_tokens[0] <= len(first_ids), second.prompt_cached_tokens
 
 
 def test_sampling_logprobs_agree_with_transformers(worker, models, client_for, reference):

@@ -27,6 +27,18 @@ def episodes_batch_turns(report: dict, stdout: str) -> None:
     assert "| files_per_turn |" in stdout
 
 
+def episodes_sticky_and_not(report: dict, stdout: str) -> None:
+    """Both runs take every turn; with the sticky rule later turns stay on their episode's worker,
+    without it they are spread by load; echo workers report no prefix cache, and it says so."""
+    sticky, spread = report["rows"]
+    assert (sticky["sticky"], spread["sticky"]) == (True, False)
+    assert sticky["turns"] == spread["turns"] == report["episodes"] * report["turns"]
+    assert sticky["later_turns_on_previous_worker"] >= 0.9
+    assert spread["later_turns_on_previous_worker"] < sticky["later_turns_on_previous_worker"]
+    assert sticky["prefix_cache_hit_rate"] is None and report["engine"] == "echo"
+    assert "| prefix_cache_hit_rate |" in stdout
+
+
 def memory_both_maths_at_each_length(report: dict, stdout: str) -> None:
     """The trainer's step with the old math (the whole logits) and the new (chunks), side by
     side, for each length asked."""
@@ -36,7 +48,11 @@ def memory_both_maths_at_each_length(report: dict, stdout: str) -> None:
     assert "| completion tokens |" in stdout
 
 
-CHECKS = {"episodes_echo.py": episodes_batch_turns, "trainer_memory.py": memory_both_maths_at_each_length}
+CHECKS = {
+    "episodes_echo.py": episodes_batch_turns,
+    "episodes_prefix_cache.py": episodes_sticky_and_not,
+    "trainer_memory.py": memory_both_maths_at_each_length,
+}
 
 
 @pytest.mark.parametrize("script", scripts_for("trainer"), ids=lambda s: s.file)

@@ -190,6 +190,9 @@ class Result(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: list[list[list[float]]] = []  # [prompt][sample][token] sampling logprob, <= 0
     finish_reasons: list[list[str]] = []  # [prompt][sample] "stop" or "length"
     prompt_token_ids: list[list[int]] = []  # [prompt][token] the prompt as the engine saw it
+    # [prompt] how many of the prompt's tokens the engine's prefix cache served (an episode's
+    # earlier turns, on the worker that served them); empty where the engine does not say.
+    prompt_cached_tokens: list[Annotated[int, msgspec.Meta(ge=0)]] = []
     weights_dir: str = ""  # the weights actually used
     weights_content_id: str = ""  # content id of those weights (empty for engines without weights)
     worker_id: str = ""  # who produced this result

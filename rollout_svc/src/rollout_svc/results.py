@@ -67,6 +67,7 @@ class Answers:
             logprobs=c.logprobs if job.request.logprobs else [],
             finish_reasons=c.finish_reasons,
             prompt_token_ids=c.prompt_token_ids,
+            prompt_cached_tokens=c.cached_tokens,
             timings=Timings(
                 queued_s=job.queued_s,
                 reload_s=c.reload_s,

@@ -14,7 +14,7 @@ An engine asked to `sleep` gives its device memory back and stays asleep until t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from protocol.messages import Request
@@ -38,6 +38,8 @@ class Completion:
     prompt_token_ids: list[list[int]]
     reload_s: float = 0.0  # weight reload or engine build this call needed (0 when already loaded)
     reload_bytes: int = 0  # bytes of the weight files that reload loaded (0 when already loaded)
+    # [prompt] prompt tokens the prefix cache served; empty where the engine does not say
+    cached_tokens: list[int] = field(default_factory=list)
 
 
 class Engine(Protocol):

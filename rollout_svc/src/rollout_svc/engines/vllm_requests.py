@@ -142,7 +142,7 @@ def check_prompts(request: Request, ids_per_prompt: list[list[int]], max_len: in
 def to_completion(outputs, tokenizer, detokenized: bool) -> Completion:
     """One request's answer from vLLM's outputs; texts decoded here unless vLLM `detokenized`
     (the same text: the decoded ids without special tokens)."""
-    texts, token_ids, logprobs, finish, prompt_ids = [], [], [], [], []
+    texts, token_ids, logprobs, finish, prompt_ids, cached = [], [], [], [], [], []
     for output in outputs:
         samples = sorted(output.outputs, key=lambda c: c.index)
         ids = [list(c.token_ids) for c in samples]
@@ -154,7 +154,8 @@ def to_completion(outputs, tokenizer, detokenized: bool) -> Completion:
         logprobs.append([_sampled_logprobs(c) for c in samples])
         finish.append([c.finish_reason or "length" for c in samples])
         prompt_ids.append(list(output.prompt_token_ids))
-    return Completion(texts, token_ids, logprobs, finish, prompt_ids)
+        cached.append(int(getattr(output, "num_cached_tokens", None) or 0))  # None: no prefix cache
+    return Completion(texts, token_ids, logprobs, finish, prompt_ids, cached_tokens=cached)
 
 
 def _sampled_logprobs(sample) -> list[float]:

@@ -74,6 +74,8 @@ class TurnOutcome:
     text: str  # engine's detokenized completion
     worker_id: str
     weights_content_id: str
+    cached_tokens: int | None = None  # prompt tokens the worker's prefix cache served; None: not said
+    engine_s: float = 0.0  # the engine's time for the whole request this turn travelled in
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,8 @@ class TurnBatcher:
                 text=result.texts[i][0],
                 worker_id=result.worker_id,
                 weights_content_id=result.weights_content_id,
+                cached_tokens=result.prompt_cached_tokens[i] if len(result.prompt_cached_tokens) > i else None,
+                engine_s=result.timings.generate_s,
             )
             for i, turn in enumerate(flight.turns)
         ]
