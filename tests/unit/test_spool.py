@@ -541,6 +541,15 @@ def test_read_result_reports_a_corrupt_result(spool):
     assert "results/r1.json" in result.error.message and "not a complete JSON object" in result.error.message
 
 
+def test_a_result_with_a_field_this_release_does_not_know_fails_naming_it(spool):
+    """A worker of a later release (docs/operations.md: upgrade both together) answering with a
+    field this reader has not heard of: that id's error names the field; nothing raises or waits."""
+    (spool.results / "r1.json").write_bytes(b'{"request_id": "r1", "ok": true, "field_of_tomorrow": [1]}')
+    result = spool.read_result("r1")
+    assert not result.ok and result.error.code is ErrorCode.BAD_RESULT
+    assert "field_of_tomorrow" in result.error.message
+
+
 def test_locate_finds_every_file_of_an_id(spool, make_request):
     assert spool.locate("r1") == []
     spool.submit(make_request("r1"))
