@@ -22,11 +22,14 @@ def test_a_shipped_config_loads_and_its_rows_read(name, monkeypatch):
     assert len(held_out) == cfg.data.held_out and len(train) > cfg.rollout.prompts_per_step
 
 
-@pytest.mark.parametrize("task", ["two_digit_sums", "running_sums"])
-def test_the_sums_rows_are_the_generators(task, tmp_path):
-    out = tmp_path / "sums.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / f"{task}.py"), str(out)], check=True)
-    assert out.read_bytes() == (ROOT / "configs" / "data" / f"{task}.jsonl").read_bytes()
+@pytest.mark.parametrize(
+    ("script", "rows"),
+    [("two_digit_sums", "two_digit_sums"), ("running_sums", "running_sums"), ("calculator_rows", "calculator")],
+)
+def test_the_shipped_rows_are_their_generators(script, rows, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), str(out)], check=True)
+    assert out.read_bytes() == (ROOT / "configs" / "data" / f"{rows}.jsonl").read_bytes()
 
 
 def test_the_long_completion_config_leaves_the_micro_batch_budget_to_the_memory_gate(monkeypatch):

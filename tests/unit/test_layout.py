@@ -129,7 +129,7 @@ def test_no_module_imports_one_that_imports_it(package):
 # The trainer's parts, lowest first. A module imports from its own part, from the parts below it and
 # from the shared modules at the package's top (config, data, distributed, records, rollout_types),
 # never from a part above it; the shared modules import no part, and only the CLI may import any.
-TRAINER_PARTS = ("tasks", "weights", "learning", "rollout", "envs", "rails", "run")
+TRAINER_PARTS = ("weights", "learning", "rollout", "envs", "tasks", "rails", "run")
 # Shared modules that are packages (one module per group of config sections): shared, not parts.
 SHARED_PACKAGES = ("config",)
 
