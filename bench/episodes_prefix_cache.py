@@ -6,10 +6,13 @@ without, and the spool's share of a turn against the engine call's.
 `--workers` real `rollout-svc serve --engine vllm` processes (vLLM's CPU build here; the tiny
 model, build/tiny-model, or --model) serve one spool. `--episodes` episodes run at once through
 one TurnBatcher, twice on the same workers, each time with fresh random prompts (nothing one run
-sent can be in a cache for the other): sticky on (each turn prefers the worker of its episode's
-previous turn, as the trainer's episodes do) and off (no preference: the batcher spreads turns
-over the workers by load). A turn's prompt is the whole history: the first prompt
-(`--prompt-tokens` random ids), then each completion and `--env-tokens` ids of an environment turn.
+sent can be in a cache for the other), after a warm-up run that is not counted (an engine's first
+calls are slow): sticky on (each turn prefers the worker of its episode's previous turn, as the
+trainer's episodes do) and off (each turn goes to a worker drawn at random, as a router without
+affinity sends it). A turn's prompt is the whole history: the first prompt (`--prompt-tokens`
+random ids), then each completion and `--env-tokens` ids of an environment turn. The cache holds
+whole blocks of the engine's block size (vLLM's CPU build: 128 tokens), so the first prompt
+spans several.
 
 Figures per run: the prefix-cache hit rate of later turns (prompt tokens the worker's cache
 served, from the results' `prompt_cached_tokens`, over their prompt tokens; the first turns are
@@ -64,6 +67,7 @@ def start_workers(spool: Spool, args, log_dir: Path) -> list:
 
 def run(batcher: TurnBatcher, args, sticky: bool, seed: int, vocab: int) -> dict:
     rng = random.Random(seed)
+    workers = [f"w{i}" for i in range(args.workers)]
     history = {e: [rng.randrange(10, vocab) for _ in range(args.prompt_tokens)] for e in range(args.episodes)}
     done = dict.fromkeys(history, 0)
     served_by: dict[int, str] = {}
@@ -74,7 +78,7 @@ def run(batcher: TurnBatcher, args, sticky: bool, seed: int, vocab: int) -> dict
     def put(episode: int) -> None:
         key = f"ep{episode}.t{done[episode]}"
         put_at[key] = time.monotonic()
-        prefer = served_by.get(episode) if sticky else None
+        prefer = served_by.get(episode) if sticky else rng.choice(workers)
         batcher.put(Turn(key, list(history[episode]), episode * 1000 + done[episode], prefer))
 
     started = time.monotonic()
@@ -123,10 +127,10 @@ def main() -> int:
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=96, help="random ids of each episode's first prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=300, help="random ids of each episode's first prompt")
     parser.add_argument("--env-tokens", type=int, default=6, help="ids of each environment turn")
     parser.add_argument("--max-tokens", type=int, default=8, help="completion tokens a turn")
-    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-wait-s", type=float, default=0.05, help="TurnBatcher's max_wait_s")
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--seed", type=int, default=0)
@@ -144,13 +148,15 @@ def main() -> int:
     try:
         procs = start_workers(spool, args, top)
         with SpoolClient(spool.root) as client:
-            for index, sticky in enumerate((True, False)):
+            for index, sticky in enumerate((None, True, False)):  # None: the warm-up, not counted
                 batcher = TurnBatcher(
                     client, weights_dir=str(args.model), weights_content_id=None, max_tokens=args.max_tokens,
                     temperature=1.0, top_p=1.0, stop=[], max_wait_s=args.max_wait_s, tag=f"run{index}",
                 )  # fmt: skip
                 try:
-                    rows.append(run(batcher, args, sticky, args.seed + index, vocab))
+                    row = run(batcher, args, bool(sticky), args.seed + index, vocab)
+                    if sticky is not None:
+                        rows.append(row)
                 finally:
                     batcher.close()
     finally:
