@@ -345,3 +345,47 @@ def test_an_episodes_turn_goes_to_another_worker_when_the_one_that_served_it_is_
     moved = [k for k, turn in turns.turns.items() if turn.prefer_worker == gone and k.endswith(".t1")]
     assert moved and all(turns.outcomes[k].worker_id != gone for k in moved)
     assert {(s.turns, s.ended) for g in groups for s in g.samples} == {(3, "done")}
+
+
+class CachingTurns(ScriptedTurns):
+    """As ScriptedTurns, each answer saying the worker's cache served all of its prompt but the
+    last 3 tokens (or, with `silent`, saying nothing, as the echo engine)."""
+
+    def __init__(self, tokenizer, answers, silent_after: int | None = None):
+        super().__init__(tokenizer, answers)
+        self.silent_after, self.prompts = silent_after, {}
+
+    def put(self, turn) -> None:
+        self.prompts[turn.key] = len(turn.prompt_token_ids)
+        super().put(turn)
+
+    def poll(self, timeout_s: float):
+        from dataclasses import replace
+
+        answered = super().poll(timeout_s)
+        told = [self.silent_after is None or len(self.outcomes) <= self.silent_after for _ in answered]
+        return [
+            replace(o, cached_tokens=self.prompts[o.key] - 3 if t else None)
+            for o, t in zip(answered, told, strict=True)
+        ]
+
+
+def test_an_episodes_later_turns_count_the_prompt_tokens_the_cache_served(tiny_model, tmp_path):
+    """The first turn is left out (nothing of the episode can be cached for it); a later turn adds
+    its whole prompt and what the worker said its cache served; the step's figure is their ratio,
+    and none where a worker did not say."""
+    from trainer_svc.rollout.sampling import _episode_figures
+
+    tokenizer = tokenizer_of(tiny_model)
+    cfg = env_config(tmp_path / "a", tiny_model, "user_envs:Chat", max_turns=3)
+    turns = CachingTurns(tokenizer, ["7", "8", "9"])
+    samples = [s for g in run_episodes(cfg, turns, tiny_model) for s in g.samples]
+    later = sum(n for key, n in turns.prompts.items() if not key.endswith(".t0"))
+    assert later > 0 and all(s.turns == 3 for s in samples)
+    assert sum(s.later_prompt_tokens for s in samples) == later
+    assert sum(s.cached_tokens for s in samples) == later - 3 * sum(s.turns - 1 for s in samples)
+    assert _episode_figures(samples)["prefix_cache_hit"] == pytest.approx(sum(s.cached_tokens for s in samples) / later)
+    quiet = CachingTurns(tokenizer, ["7", "8", "9"], silent_after=1)
+    cfg = env_config(tmp_path / "b", tiny_model, "user_envs:Chat", max_turns=3)
+    samples = [s for g in run_episodes(cfg, quiet, tiny_model) for s in g.samples]
+    assert "prefix_cache_hit" not in _episode_figures(samples)

@@ -32,6 +32,10 @@ class Sample:
     reward: float | None = None  # an episode's reward, as its environment gave it; None: scored by [reward]
     turns: int = 1  # assistant turns
     ended: str = ""  # why an episode ended (trainer_svc.envs.episodes); "": one turn
+    # An episode's later turns: their prompt tokens, and those the engine's prefix cache served
+    # (None: a worker did not say)
+    later_prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 @dataclass

@@ -71,6 +71,10 @@ class Episode:
     finish_reason: str = ""  # the last assistant turn's
     worker: str | None = None  # the worker that served the last turn
     ended: str = ""  # why it ended ("" while it runs)
+    # Later turns (not the first) answered by the engine: their prompt tokens, and those the
+    # worker's prefix cache served (None once a worker did not say).
+    later_prompt_tokens: int = 0
+    cached_tokens: int | None = 0
 
     @property
     def turns(self) -> int:
@@ -119,6 +123,10 @@ class EpisodeRunner:
             recorded = Recorded(
                 outcome.token_ids, outcome.logprobs, outcome.text, outcome.finish_reason, outcome.worker_id
             )
+            if episode.turns > 0:  # a later turn: its prompt holds the episode's earlier turns
+                episode.later_prompt_tokens += len(episode.prompt_ids) + len(episode.ids)
+                known = episode.cached_tokens is not None and outcome.cached_tokens is not None
+                episode.cached_tokens = episode.cached_tokens + outcome.cached_tokens if known else None
             self.on_turn(episode, recorded)
             self._answered(episode, recorded)
 

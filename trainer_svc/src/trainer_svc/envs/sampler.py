@@ -215,6 +215,8 @@ class EpisodeSampler:
                 reward=e.reward,
                 turns=e.turns,
                 ended=e.ended,
+                later_prompt_tokens=e.later_prompt_tokens,
+                cached_tokens=e.cached_tokens,
             )
             for e in episodes
         ]

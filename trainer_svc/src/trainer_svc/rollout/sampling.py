@@ -297,7 +297,12 @@ def _episode_figures(samples: list[Sample]) -> dict:
     if not episodes:
         return {}
     ends = {why: sum(s.ended == why for s in episodes) for why in sorted({s.ended for s in episodes})}
-    return {"episode_turns": _mean([s.turns for s in episodes]), **{f"episode_ends/{k}": v for k, v in ends.items()}}
+    figures = {"episode_turns": _mean([s.turns for s in episodes]), **{f"episode_ends/{k}": v for k, v in ends.items()}}
+    later = sum(s.later_prompt_tokens for s in episodes)
+    if later and all(s.cached_tokens is not None for s in episodes):
+        # the share of later turns' prompt tokens the workers' prefix caches served (the sticky rule's gain)
+        figures["prefix_cache_hit"] = sum(s.cached_tokens for s in episodes) / later
+    return figures
 
 
 def summarize(r: StepRollouts) -> dict:
