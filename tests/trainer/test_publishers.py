@@ -142,7 +142,7 @@ def test_a_publish_crosses_to_rank0_and_back_once_under_fsdp(tiny_model, tmp_pat
         env=env,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    outcome = {o["rank"]: o for o in (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
+    outcome = {o["rank"]: o for o in (json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json")))}
     assert sorted(outcome) == [0, 1]
     assert outcome[0]["refs"] == outcome[1]["refs"]  # every rank names the same weights
     # the object broadcasts of each publish (the tensors' gathers aside): the slot's choice, then
@@ -185,7 +185,9 @@ def _child(config_file: str, model_dir: str) -> None:
         calls.clear()
         refs.append(asdict(sync.publish(model, step)))
         broadcasts.append(len(calls))
-    print(json.dumps({"rank": dist_info.rank, "refs": refs, "broadcasts": broadcasts}), flush=True)
+    # a file per rank: two ranks printing at once can share one line of the common stdout
+    outcome = {"rank": dist_info.rank, "refs": refs, "broadcasts": broadcasts}
+    (Path(config_file).parent / f"rank{dist_info.rank}.json").write_text(json.dumps(outcome))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
