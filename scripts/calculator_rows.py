@@ -8,10 +8,9 @@ environment trainer_svc.tasks.calculator:Calculator reads (`a`, `b`). The rows
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-from pathlib import Path
+
+from rows_cli import write_rows_main
 
 
 def rows(count: int, seed: int) -> list[dict]:
@@ -24,15 +23,7 @@ def rows(count: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--rows", type=int, default=4000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    written = rows(args.rows, args.seed)
-    args.out.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in written))
-    print(f"{len(written)} rows in {args.out}")
+    write_rows_main(rows, __doc__.splitlines()[0], default_rows=4000)
 
 
 if __name__ == "__main__":
