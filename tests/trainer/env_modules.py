@@ -92,6 +92,23 @@ class Seeded(Chat):
         return [{"role": "user", "content": f"{self.seed}:"}]
 
 
+class EndsAnswered(Chat):
+    def reset(self):
+        self.t = 0
+        return [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+
+
+class WorkedExample(Chat):
+    def reset(self):
+        self.t = 0
+        return [
+            {"role": "user", "content": "1+1="},
+            {"role": "assistant", "content": "2"},
+            {"role": "tool", "content": "right"},
+            {"role": "user", "content": self.row["prompt"]},
+        ]
+
+
 class Clock(Chat):
     def step(self, text):
         self.t += 1

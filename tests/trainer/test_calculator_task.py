@@ -85,3 +85,25 @@ def test_a_bad_expression_is_answered_and_the_episode_goes_on(tiny_model, tmp_pa
     environment = [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m == 0]
     assert "only integers" in tokenizer_of(tiny_model).decode(environment)
     assert (sample.turns, sample.reward) == (2, pytest.approx(0.1))
+
+
+def test_the_worked_example_is_a_call_the_tool_answers_as_shown(row):
+    """The example teaches the format the parser reads: its call, run through the environment's
+    own tool, gives the example's tool message, and its answer scores as right; the row's question
+    comes last."""
+    from trainer_svc.envs.api import tool_methods
+    from trainer_svc.envs.tools import find_calls, run_calls
+    from trainer_svc.tasks.calculator import Calculator
+
+    env = Calculator(row.fields, seed=0)
+    system, question, call, result, answer, asked = env.reset()
+    assert (system["role"], question["role"], call["role"], result["role"], answer["role"]) == (
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    )
+    assert run_calls(find_calls(call["content"]), tool_methods(env)) == [result]
+    assert str(final_answer(answer["content"])) == result["content"]
+    assert asked == {"role": "user", "content": f"What is {row.fields['a']} * {row.fields['b']}?"}

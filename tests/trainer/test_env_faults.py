@@ -58,6 +58,7 @@ def episodes(tiny_model, tmp_path, name: str, **env):
         ("WrongType", {}, 1, r"step\(\)\) returned a dict: step\(\) returns a trainer_svc\.envs\.Step"),
         ("Crashes", {}, 1, r"step\(\)\): its process died during the call"),
         ("Greedy", {"memory_mb": 400}, 1, r"step\(\)\) raised MemoryError"),
+        ("EndsAnswered", {}, 0, r"creating it and its reset\(\)\) returned an assistant message last"),
     ],
 )
 def test_a_fault_of_the_environment_stops_the_run_naming_it_the_episode_and_the_turn(
@@ -80,3 +81,16 @@ def test_a_class_that_cannot_be_imported_stops_the_launch(tiny_model, tmp_path):
 def test_first_messages_that_depend_on_the_seed_are_refused(tiny_model, tmp_path):
     with pytest.raises(EnvError, match=r"the 2 episodes of row add-0-0 start with different first messages"):
         episodes(tiny_model, tmp_path, "user_envs:Seeded")
+
+
+def test_a_worked_example_before_the_question_is_prompt(tiny_model, tmp_path):
+    """Assistant and tool turns before reset()'s last message are accepted as prompt: the group's
+    prompt ids hold them and the row's question; no sample trains on them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    groups = episodes(tiny_model, tmp_path, "user_envs:WorkedExample")
+    assert [tokenizer.decode(g.prompt_ids) for g in groups] == [
+        f"1+1=2<tool_response>right</tool_response>\n{p.prompt}" for p in PROBLEMS
+    ]
+    assert all(tokenizer.decode(s.token_ids).startswith("7") for g in groups for s in g.samples)

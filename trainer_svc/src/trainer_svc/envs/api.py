@@ -31,7 +31,9 @@ The contract:
   turns into fresh instances (trainer_svc.envs.replay), and the run takes the same steps only
   if the replayed instance answers as the first one did (a difference stops the run).
 - `reset()` returns the first messages: a non-empty list of {"role", "content"} dicts, roles
-  "system" or "user", contents strings. The G episodes of a row are one GRPO group, compared on
+  "system" or "user", contents strings; "assistant" and "tool" turns may come before the last
+  message as a worked example (a small model learns a tool's format from one), never as the
+  last. They are prompt: no first message is trained on. The G episodes of a row are one GRPO group, compared on
   one prompt: their first messages must be the same (they may not depend on the seed).
 - `step(text)` takes the assistant's text (the engine's detokenized completion) and returns a
   Step: the next messages (roles "user" or "tool") unless done, a reward added to the episode's,

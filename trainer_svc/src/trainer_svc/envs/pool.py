@@ -42,7 +42,9 @@ from .errors import EnvError
 from .tools import find_calls, run_calls, schemas
 
 STARTUP_TIMEOUT_S = 300.0  # a process's start and the import of the user's module
-FIRST_ROLES = ("system", "user")
+# a worked example (assistant and tool turns) may come before the question; the generation prompt
+# follows the last message, which the assistant answers, so it is no assistant turn of its own
+FIRST_ROLES = ("system", "user", "assistant", "tool")
 NEXT_ROLES = ("user", "tool", "system")
 
 
@@ -205,6 +207,8 @@ def _create(episode: str, row: dict, seed: int) -> tuple[str, object]:
     except BaseException as exc:
         return "raised", describe(exc)
     wrong = _wrong_messages(messages, FIRST_ROLES, "reset()", empty_ok=False)
+    if not wrong and messages[-1]["role"] == "assistant":
+        wrong = "returned an assistant message last from reset(): the assistant answers the last message"
     if wrong:
         return "wrong", wrong
     _INSTANCES[episode] = env

@@ -2,7 +2,10 @@
 possible. A row asks for the product of a three-digit and a two-digit number ("What is 347 * 29?"),
 which a small model rarely gets right alone; the environment offers a `calculate` tool, whose
 result comes back as a tool message, and the episode ends with the first assistant turn that
-calls no tool.
+calls no tool. The first messages hold one worked example (a question, its tool call, the tool's
+result, the answer) before the row's question: from the instruction alone SmolLM2-135M-Instruct
+called the tool in none of 256 sampled episodes; with the example, 59 of 256 call `calculate` and
+53 answer right (docs/environments.md): a rate GRPO learns from, and none right without the tool.
 
 Reward (the sum over the episode's turns): 1.0 when that last turn's answer (the number after
 "Answer:", else its last number) is the product; 0.1 more when the episode called the tool at
@@ -31,6 +34,9 @@ SYSTEM = (
     '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
     'and stop: its result comes back to you. Then write "Answer: " and the number.'
 )
+
+EXAMPLE = (123, 45)  # the worked example's question
+CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "%d * %d"}}</tool_call>'
 
 _ANSWER = re.compile(r"answer\s*[:=]\s*(-?[\d,]+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*")
@@ -89,8 +95,13 @@ class Calculator(Environment):
         self.used_tool = False
 
     def reset(self) -> list[dict]:
+        a, b = EXAMPLE
         return [
             {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": CALL % (a, b)},
+            {"role": "tool", "name": "calculate", "content": str(a * b)},
+            {"role": "assistant", "content": f"Answer: {a * b}"},
             {"role": "user", "content": f"What is {self.a} * {self.b}?"},
         ]
 
