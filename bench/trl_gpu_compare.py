@@ -38,6 +38,11 @@ The held-out greedy accuracy on TRL's side: every --eval-every steps (and before
 same rows rendered the same way, answered greedily by the training model with transformers'
 generate, graded by the same verifier.
 
+Tool use: with a config that has an [env] of trainer_svc.tasks.calculator
+(configs/smollm2-gpu-tools.toml), TRL's side is GRPOTrainer(tools=[calculate]) on the
+environment's own prompts, tool and reward, its held-out accuracy from greedy episodes
+(bench/trl_tools.py says what is mirrored and how).
+
 Timing: each side's metrics lines (ours metrics.jsonl, TRL's per-step rows) are stamped as they
 appear (every 20 ms), from the launch; held-out accuracies carry their wall-clock time. Per step:
 median seconds over the steps after --skip, generated tokens per second (the trained samples'
@@ -65,7 +70,7 @@ from pathlib import Path
 
 import tomllib
 
-from bench import synthetic
+from bench import synthetic, trl_tools
 from bench.common import ROOT, sources_first
 
 CPU_TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
@@ -288,7 +293,10 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
     if "overlong" in scoring and not reward.get("overlong_buffer"):
         del scoring["overlong"]  # off while its buffer is 0
     users = {f: w for f, w in scoring.items() if ":" in f}
-    if scoring != {"correct": 1.0} and not (users and users == scoring):
+    tools = trl_tools.spec_fields(raw) if raw.get("env") else {}
+    if tools:  # the environment's reward, on TRL's side its own function (bench.trl_tools)
+        users = {}
+    elif scoring != {"correct": 1.0} and not (users and users == scoring):
         raise SystemExit(
             "TRL's side scores correctness alone or the config's own reward functions (TRL's convention, "
             f"weighted as the config weighs them); the config's reward is {scoring}"
@@ -330,6 +338,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "correction_cap": loss.get("correction_cap", 2.0),
         "advantage_norm": loss.get("advantage_norm", "std"),
         "user_rewards": sorted(users.items()),  # [("module:function", weight)]; none: correctness
+        **tools,
     }
 
 
@@ -380,6 +389,11 @@ def trl_worker(spec: dict) -> None:
         def evaluate(self, step: int) -> None:
             trainer = self.trainer
             model, tokenizer = trainer.model, trainer.processing_class
+            if env:
+                row = trl_tools.held_out_accuracy(model, tokenizer, held_out, env["max_turns"], spec["max_tokens"])
+                self.evals.write(json.dumps({"step": step, **row, "time": time.time()}) + "\n")
+                self.evals.flush()
+                return
             texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
                      for r in held_out]  # fmt: skip
             batch = tokenizer(texts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
@@ -443,6 +457,14 @@ def trl_worker(spec: dict) -> None:
         else {"use_vllm": False, "use_cpu": True}
     )
     users = spec.get("user_rewards") or []
+    env, tool_args, completion = spec.get("env"), {}, spec["max_tokens"]
+    if env:  # tool use: the environment's prompts, tool and reward (bench.trl_tools)
+        tokenizer, own_template = trl_tools.tool_tokenizer(spec["model"])
+        rows = trl_tools.dataset_rows(rows)
+        trl_tools.same_prompts(tokenizer, own_template, [r["prompt"] for r in rows[:8]])
+        # TRL counts every turn's tokens and the tools' as one completion, as our episode budget does
+        completion = env["max_episode_tokens"] - trl_tools.longest_prompt(tokenizer, rows)
+        tool_args = {"max_tool_calling_iterations": env["max_turns"] - 1}
     config = GRPOConfig(
         output_dir=spec["out"],
         seed=spec["seed"],
@@ -456,7 +478,7 @@ def trl_worker(spec: dict) -> None:
         gradient_accumulation_steps=spec["micro_batches"],
         steps_per_generation=spec["micro_batches"],
         num_generations=spec["samples_per_prompt"],
-        max_completion_length=spec["max_tokens"],
+        max_completion_length=completion,
         temperature=spec["temperature"],
         top_p=spec["top_p"],
         top_k=0,
@@ -480,15 +502,17 @@ def trl_worker(spec: dict) -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
         **vllm,
+        **tool_args,
     )
     log = Log()
+    if env:
+        funcs, extra = [trl_tools.reward], {"processing_class": tokenizer, "tools": [trl_tools.calculate]}
+    else:
+        funcs, extra = [user_reward(name) for name, _ in users] if users else correct, {}
     trainer = GRPOTrainer(
-        model=spec["model"],
-        reward_funcs=[user_reward(name) for name, _ in users] if users else correct,
-        args=config,
-        train_dataset=Dataset.from_list(rows),
-        callbacks=[log],
-    )
+        model=spec["model"], reward_funcs=funcs, args=config, train_dataset=Dataset.from_list(rows), callbacks=[log],
+        **extra,
+    )  # fmt: skip
     log.trainer = trainer
     trainer.train()
 
@@ -508,7 +532,8 @@ def run_trl(raw: dict, work: Path, args) -> dict:
     spec = trl_spec(raw, train, held_out, work, args)
     spec_path = work / "trl.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    env = sources_first(os.environ, "protocol")  # for a venv of TRL's without the checkout's packages
+    # for a venv of TRL's without the checkout's packages (trainer_svc: an environment's own code)
+    env = sources_first(os.environ, "protocol", "trainer_svc")
     if not gpu_available():
         env.setdefault("OMP_NUM_THREADS", "1")
     memory = MemoryWatch()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import trl_gpu_compare as compare
+from bench import trl_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -150,3 +151,83 @@ def test_the_reward_plot_is_drawn_from_a_runs_json(tmp_path):
     png = tmp_path / "reward.png"
     compare.plot_reward([str(run)], str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+# -- the tool-use comparison (bench.trl_tools) -----------------------------------------------------
+
+TOOLS = ROOT / "configs" / "smollm2-gpu-tools.toml"
+
+
+def test_trl_mirrors_the_environments_turns_and_refuses_another_environment(tmp_path):
+    raw = compare.load_settings(arguments(config=str(TOOLS)))
+    train, held_out, _ = compare.problems(raw, tmp_path)
+    spec = compare.trl_spec(raw, train, held_out, tmp_path, arguments(config=str(TOOLS)))
+    assert spec["env"] == {
+        "class": "trainer_svc.tasks.calculator:Calculator",
+        "max_turns": 3,
+        "max_episode_tokens": 512,
+    }
+    assert spec["user_rewards"] == []
+    raw["env"]["class"] = "my_envs:Other"
+    with pytest.raises(SystemExit, match="mirrors the environment trainer_svc.tasks.calculator:Calculator"):
+        compare.trl_spec(raw, train, held_out, tmp_path, arguments(config=str(TOOLS)))
+
+
+def test_trl_prompts_are_the_environments_first_messages():
+    from trainer_svc.tasks.calculator import Calculator
+
+    row = {"a": 347, "b": 29}
+    (trl_row,) = trl_tools.dataset_rows([row])
+    assert trl_row == {"prompt": Calculator(row, seed=0).reset(), "a": 347, "b": 29}
+
+
+def test_the_tool_template_renders_calls_our_parser_reads_and_plain_turns_as_chatml(tiny_model):
+    """TEMPLATE writes an assistant's tool_calls in the format the environments' parser reads,
+    and a conversation without tool calls as ChatML."""
+    from transformers import AutoTokenizer
+
+    from trainer_svc.envs.tools import find_calls, run_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12 * 34"}}}
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculate", "content": "408"},
+    ]
+    text = tokenizer.apply_chat_template(messages, chat_template=trl_tools.TEMPLATE, add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    assert text == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+        '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert run_calls(find_calls(text), {"calculate": trl_tools.calculate}) == [messages[-1]]
+
+
+@pytest.mark.parametrize(
+    ("conversation", "score"),
+    [
+        ([{"role": "assistant", "content": "Answer: 10063"}], 1.0),
+        (
+            [
+                {"role": "assistant", "content": ""},
+                {"role": "tool", "name": "calculate", "content": "10063"},
+                {"role": "assistant", "content": "Answer: 10063"},
+            ],
+            1.1,
+        ),  # fmt: skip
+        (
+            [
+                {"role": "assistant", "content": ""},
+                {"role": "tool", "name": "multiply", "content": "error"},
+                {"role": "assistant", "content": "Answer: 10064"},
+            ],
+            0.0,
+        ),  # fmt: skip
+        ([], 0.0),
+    ],
+)
+def test_trls_reward_is_the_environments(conversation, score):
+    assert trl_tools.reward([conversation], [347], [29]) == [pytest.approx(score)]
