@@ -64,11 +64,14 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def make_model(shape: str, checkpointing: bool, compiled: bool):
+def make_model(shape: str, checkpointing: bool, compiled: bool, attention: str = "sdpa"):
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from trainer_svc.learning.model import attention_implementation
+
     config = qwen_config(MFU_SHAPES[shape])
+    config._attn_implementation = attention_implementation(attention)  # varlen: packed micro-batches
     torch.manual_seed(0)
     with torch.device(device()):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -123,6 +126,7 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
     from trainer_svc.config import Config
     from trainer_svc.distributed import Distributed
     from trainer_svc.learning.batch import collate
+    from trainer_svc.learning.token_logprobs import use_packing
     from trainer_svc.learning.train_step import StepTotals, make_optimizer, make_scheduler, train_step
 
     cfg = msgspec.convert(
@@ -133,6 +137,7 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
                 "dtype": "bfloat16",
                 "activation_checkpointing": checkpointing,
                 "compile": "on" if compiled else "off",
+                "attention": args.attention,
             },
             "rollout": {"max_tokens": args.completion_tokens, "temperature": 1.0},
             "train": {
@@ -143,7 +148,7 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
         },
         Config,
     )
-    model = make_model(args.shape, checkpointing, compiled)
+    model = make_model(args.shape, checkpointing, compiled, args.attention)
     optimizer, dist_info = make_optimizer(model, cfg), Distributed(0, 1, torch.device(device()))
     scheduler = make_scheduler(optimizer, cfg)
     shape = MFU_SHAPES[args.shape]
@@ -177,6 +182,8 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
         "activation_checkpointing": checkpointing,
         "compiled": compiled,
         "micro_batch": micro,
+        "attention": args.attention,
+        "packed": use_packing(cfg.train.packing, model),
         "step_s": round(s, 3),
         "tokens_per_s": round(statistics.median(rates)),
         "mfu": round(statistics.median(f / x for f, x in zip(flops, seconds, strict=True)) / PEAK_BF16_FLOPS, 4),
@@ -221,6 +228,10 @@ def main() -> None:
     parser.add_argument(
         "--micro-tokens", type=int, help="train.max_tokens_per_micro_batch (default: the trainer's automatic budget)"
     )
+    parser.add_argument(
+        "--attention", default="sdpa", choices=["sdpa", "eager", "varlen"],
+        help="model.attention; varlen packs the micro-batches (train.packing = auto)",
+    )  # fmt: skip
     parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
     parser.add_argument("--compile", default="on,off", help="on, off, or both")
     parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
