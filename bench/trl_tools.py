@@ -23,7 +23,8 @@ What is mirrored, and how:
   max_completion_length = env.max_episode_tokens less the longest prompt (TRL counts every turn's
   tokens and the tools' in one completion, as our episode budget does).
 - Reward: the environment's (1 for the product in the last assistant turn, 0.1 more when a
-  `calculate` call was made), from the conversation TRL returns.
+  `calculate` call was made), from the conversation TRL returns; 0 for one that ran out of turns
+  while still calling the tool, as our episode ends there without a score.
 - Held out: greedy episodes of the held-out rows with transformers' generate, turn by turn, the
   tool results from a fresh environment per row; accuracy = the last answer's verdict against the
   row's gold (protocol.answers), as ours grades its canary's episodes.
@@ -105,9 +106,12 @@ def reward(completions, a, b, **_) -> list[float]:
     scores = []
     for messages, x, y in zip(completions, a, b, strict=True):
         said = [m for m in messages if m["role"] == "assistant"]
-        last = (said[-1]["content"] or "") if said else ""
+        if not said or said[-1].get("tool_calls"):  # out of turns while calling: ours ends it unscored
+            scores.append(0.0)
+            continue
         used = any(m["role"] == "tool" and m.get("name") == "calculate" for m in messages)
-        scores.append(float(final_answer(last) == int(x) * int(y)) + (TOOL_BONUS if used else 0.0))
+        right = final_answer(said[-1]["content"] or "") == int(x) * int(y)
+        scores.append(float(right) + (TOOL_BONUS if used else 0.0))
     return scores
 
 
@@ -143,9 +147,10 @@ def greedy_episodes(model, tokenizer, rows: list[dict], max_turns: int, max_toke
             if calls and turn + 1 < max_turns:
                 conversations[i].extend(run_calls(calls, tool_methods(envs[i])))
                 still.append(i)
-                continue
-            step = envs[i].step(text)
-            out[i] = {"text": text, "reward": step.reward, "turns": turn + 1}
+            elif calls:  # out of turns while calling: ours ends the episode there, unscored
+                out[i] = {"text": text, "reward": 0.0, "turns": turn + 1}
+            else:
+                out[i] = {"text": text, "reward": envs[i].step(text).reward, "turns": turn + 1}
         running = still
     return out
 

@@ -226,6 +226,10 @@ def test_the_tool_template_renders_calls_our_parser_reads_and_plain_turns_as_cha
             ],
             0.0,
         ),  # fmt: skip
+        (
+            [{"role": "assistant", "content": "Answer: 10063", "tool_calls": [{"function": {"name": "calculate"}}]}],
+            0.0,
+        ),  # fmt: skip
         ([], 0.0),
     ],
 )
