@@ -73,7 +73,7 @@ class TorchTurnService:
         self.cfg, self.sampler = cfg, TorchSampler(cfg)
         return self
 
-    def turn_batcher(self, weights):
+    def turn_batcher(self, weights, temperature=None):
         return TorchTurns(self.cfg, weights, self.asked, self.sampler, self.hold)
 
     def close(self) -> None:
@@ -128,7 +128,7 @@ class Service:
         self.turns = turns
         self.closed = False
 
-    def turn_batcher(self, weights):
+    def turn_batcher(self, weights, temperature=None):
         return self.turns
 
     def close(self) -> None:

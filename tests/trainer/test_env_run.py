@@ -171,3 +171,7 @@ def test_trainer_svc_eval_env_runs_the_environment_over_rows_through_the_workers
     assert all(e == {**e, "reward": 6.0, "turns": 3, "ended": "done"} for row in found for e in row["episodes"])
     assert all(len(row["episodes"]) == 2 for row in found)
     assert "reward 6.0000 over 5 rows x 2 episodes" in result.stdout
+    # Greedy by default, whatever the run's own temperature: every turn's request asked for 0.
+    assert cfg.rollout.temperature > 0
+    asked = [json.loads(p.read_bytes())["temperature"] for p in (spool / "done").glob("*.request.json")]
+    assert asked and set(asked) == {0.0}

@@ -50,7 +50,7 @@ POLL_S = 0.05  # the longest the driver waits for the engine before looking at t
 
 class EpisodeSampler:
     def __init__(self, cfg: Config, service, problems, tokenizer):
-        """`service`: what makes the TurnBatcher (`turn_batcher(weights)`: the spool's rollout
+        """`service`: what makes the TurnBatcher (`turn_batcher(weights, temperature)`: the spool's rollout
         service, or a test's stand-in), closed with this sampler. `problems`: every row a call
         may name, by id."""
         self.cfg, self.service, self.tokenizer = cfg, service, tokenizer
@@ -126,7 +126,8 @@ class EpisodeSampler:
             again = f"{ticket.tag}-s{ticket.step:08d}-a{ticket.attempt}-"
             self._discarded.update(old for old in self._calls if old.startswith(again) and old != name)
             if self.runner is None:
-                self.turns = self.service.turn_batcher(ticket.weights)
+                # the sampling of this sampler's config: an eval's temperature is not the run's
+                self.turns = self.service.turn_batcher(ticket.weights, temperature=self.cfg.rollout.temperature)
                 self.runner = EpisodeRunner(
                     self.cfg, self.pool, self.turns, renderer_for(self.tokenizer), self._journal_turn, self._journal_env
                 )

@@ -79,8 +79,9 @@ class RolloutService:
             self.worker.close()
         self.client.close()
 
-    def turn_batcher(self, weights: WeightsRef):
-        """A TurnBatcher on this service's spool, for episodes' turns (trainer_svc.envs.sampler)."""
+    def turn_batcher(self, weights: WeightsRef, temperature: float | None = None):
+        """A TurnBatcher on this service's spool, for episodes' turns (trainer_svc.envs.sampler),
+        sampling at `temperature` (None: rollout.temperature; an eval asks its own)."""
         from .turn_batcher import TurnBatcher
 
         r = self.cfg.rollout
@@ -89,7 +90,7 @@ class RolloutService:
             weights_dir=weights.dir,
             weights_content_id=weights.content_id,
             max_tokens=r.max_tokens,
-            temperature=r.temperature,
+            temperature=r.temperature if temperature is None else temperature,
             top_p=r.top_p,
             stop=[],
             tag=f"{_id_part(self.cfg.run_dir.name[:40])}-turn",
