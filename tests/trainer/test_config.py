@@ -101,11 +101,6 @@ BAD = {
         "env.class = 'my_envs.py' does not name a class",
     ),
     "an env without a class": (MINIMAL + "[env]\nmax_turns = 2\n", "`class`", "missing required field"),
-    "an env with the canary": (
-        MINIMAL + '[env]\nclass = "m:E"\n[canary]\nevery = 5\n',
-        "",
-        "canary.every = 5 with an [env] section",
-    ),
     "missing [run]": ('[model]\npath = "model"\n', "`run`", "missing required field"),
     "missing run.dir": ('[run]\nseed = 1\n[model]\npath = "model"\n', "`dir`", "missing required field"),
     "not TOML": ("[run\ndir = ", "", "not valid TOML"),

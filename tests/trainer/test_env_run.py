@@ -17,7 +17,7 @@ import pytest
 from conftest import make_config
 from echo_workers import EchoWorkers
 from env_modules import user_envs  # noqa: F401 (a fixture)
-from local_turns import TorchTurnService
+from local_turns import ScriptedTurns, Service, TorchTurnService
 
 from protocol import exit_codes
 from trainer_svc.config import dump
@@ -175,3 +175,31 @@ def test_trainer_svc_eval_env_runs_the_environment_over_rows_through_the_workers
     assert cfg.rollout.temperature > 0
     asked = [json.loads(p.read_bytes())["temperature"] for p in (spool / "done").glob("*.request.json")]
     assert asked and set(asked) == {0.0}
+
+
+@pytest.mark.parametrize("final, accuracy", [("42", 1.0), ("7", 0.0)])
+def test_the_canary_of_an_environment_grades_greedy_episodes_by_their_last_turn(tiny_model, tmp_path, final, accuracy):
+    # Every row's gold is 42; the scripted engine says 42 in the first turns, `final` in the last: only
+    # the last turn is the episode's answer. Chat's reward is 1 + 1 + the last text's length.
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a} and 42?", "answer": "42"}) + "\n" for a in range(20)))
+    cfg = make_config(
+        tmp_path / "run",
+        tiny_model,
+        data={"task": "file", "path": str(data), "held_out": 6},
+        train={"steps": 2},
+        canary={"every": 1, "problems": 6},
+        env={"class": "user_envs:Chat"},
+    )
+    from transformers import AutoTokenizer
+
+    turns = ScriptedTurns(AutoTokenizer.from_pretrained(tiny_model), ["42", "42", final])
+    assert train(cfg, make_sampler=lambda cfg, launch_id: Service(turns)) == exit_codes.OK
+    checks = [json.loads(line) for line in (cfg.run_dir / "canary.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in checks] == [0, 1, 2]
+    assert all(c["accuracy"] == accuracy and c["reward"] == 2.0 + len(final) and c["n"] == 6 for c in checks)
+    # The canary's turns are greedy, the training episodes' sampled at the run's temperature.
+    canary = {key: t.temperature for key, t in turns.turns.items() if key.startswith("canary-")}
+    training = {key: t.temperature for key, t in turns.turns.items() if not key.startswith("canary-")}
+    assert len(canary) == 3 * 3 * 6 and set(canary.values()) == {0.0}
+    assert training and set(training.values()) == {None}

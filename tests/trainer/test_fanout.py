@@ -42,7 +42,10 @@ def start_vllm_worker(spool_dir, worker_id: str, model, allowed: list, log_dir) 
 
 class KillingService(RolloutService):
     """The real rollout service, which SIGKILLs worker B once B holds a request of KILLED_STEP.
-    Worker A is frozen while that call is sent, so B claims first; it is woken after the kill."""
+    Worker A is frozen while that call is sent, so B claims first; it is woken after the kill.
+    B is frozen too until the call is written: on a loaded machine writing it can take longer
+    than B's engine call, and a part B claimed, served and archived before the first look at
+    claimed/ would never be seen there."""
 
     def __init__(self, cfg, procs: dict[str, subprocess.Popen]):
         super().__init__(cfg)
@@ -55,8 +58,12 @@ class KillingService(RolloutService):
             self.tickets.append(super().submit(call))
             return self.tickets[-1]
         os.killpg(self.procs["vllm-a"].pid, signal.SIGSTOP)
+        os.killpg(self.procs["vllm-b"].pid, signal.SIGSTOP)
         try:
-            self.tickets.append(super().submit(call))
+            try:
+                self.tickets.append(super().submit(call))
+            finally:
+                os.killpg(self.procs["vllm-b"].pid, signal.SIGCONT)
             # Only this call's requests count: a claim B has already answered stays in claimed/
             # for a moment after its result is published.
             mine = set(self.tickets[-1].request_ids)

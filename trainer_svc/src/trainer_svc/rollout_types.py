@@ -36,6 +36,7 @@ class Sample:
     # (None: a worker did not say)
     later_prompt_tokens: int = 0
     cached_tokens: int | None = None
+    last_text: str = ""  # an episode's last assistant turn, as the engine detokenized it; "": one turn
 
 
 @dataclass

@@ -33,12 +33,6 @@ class Config(Struct):
     env: EnvConfig | None = None  # multi-turn episodes; None: single-turn sampling
 
     def __post_init__(self) -> None:
-        if self.env is not None and self.canary.every:
-            raise ValueError(
-                f"canary.every = {self.canary.every} with an [env] section: the canary asks single-turn questions "
-                "and checks the answer against a gold, which an environment's episodes do not have; set canary.every "
-                "= 0 and evaluate the environment with `trainer-svc eval-env`"
-            )
         if self.lora.on:
             for key in ("slots", "delta"):
                 if getattr(self.publish, key) == "on":

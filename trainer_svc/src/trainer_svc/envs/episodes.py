@@ -60,6 +60,7 @@ class Episode:
     seed: int
     weights: WeightsRef
     replay: list[Recorded] = field(default_factory=list)  # recorded turns to take before asking the engine
+    temperature: float | None = None  # its turns' sampling temperature; None: the run's
     prompt_ids: list[int] = field(default_factory=list)  # the first prompt
     ids: list[int] = field(default_factory=list)  # every id after the first prompt
     mask: list[int] = field(default_factory=list)  # 1: the engine's id, 0: the environment's
@@ -153,7 +154,8 @@ class EpisodeRunner:
             self.turns.set_weights(episode.weights.dir, episode.weights.content_id)
             self._weights = episode.weights
         prompt = episode.prompt_ids + episode.ids
-        self.turns.put(Turn(f"{episode.id}.t{episode.turns}", prompt, episode.turn_seed(), episode.worker))
+        key = f"{episode.id}.t{episode.turns}"
+        self.turns.put(Turn(key, prompt, episode.turn_seed(), episode.worker, episode.temperature))
 
     def _answered(self, episode: Episode, turn: Recorded) -> None:
         episode.ids += turn.token_ids

@@ -12,6 +12,8 @@ Decisions, and what they guarantee:
   episode a Sample of every later id, its loss mask (0 on environment ids), the engine's
   logprobs (0.0 on environment ids) and the environment's reward. The GRPO group is the G
   episodes of one row. All turns of an episode are sampled from the weights its call names.
+- A call's `temperature` (None: the run's) samples every turn of its episodes: the canary's
+  greedy episodes run beside the training ones.
 - Seeds: episode g of prompt p of a call gets seed f(call seed, p, g), passed to its
   environment; its turn t is sampled with seed f(episode seed, t). They do not depend on the
   batch a turn travelled in, nor on timing.
@@ -141,7 +143,9 @@ class EpisodeSampler:
                 for g in range(n):
                     key = f"p{p}g{g}"
                     seed = (ticket.seed * 1_000_003 + p * 1009 + g) % 2**31
-                    episode = Episode(f"{name}.{key}", row, seed, ticket.weights, replay.get(key, []))
+                    episode = Episode(
+                        f"{name}.{key}", row, seed, ticket.weights, replay.get(key, []), ticket.temperature
+                    )
                     self.runner.start(episode)
                     ids[-1].append(episode.id)
             self._calls[name] = ids
@@ -218,6 +222,7 @@ class EpisodeSampler:
                 ended=e.ended,
                 later_prompt_tokens=e.later_prompt_tokens,
                 cached_tokens=e.cached_tokens,
+                last_text=e.texts[-1] if e.texts else "",
             )
             for e in episodes
         ]

@@ -5,6 +5,10 @@ on its training prompts. Each check also scores the greedy answers with the run'
 functions (`reward`, the mean total): where the reward gives partial credit (steps of a multi-step
 answer right), the held-out reward moves before the all-or-nothing accuracy does.
 
+With an [env] section the canary runs one greedy episode of each held-out row, beside the training
+episodes and through the same workers: `accuracy` grades the episode's last assistant turn (its
+final answer) against the row's gold with the run's verifier, `reward` is the environment's.
+
 The canary of step 0 answers from the starting model; a later one only from trained weights (a
 canary due before the first trained weights exist is skipped, not run on the starting model).
 """
@@ -12,6 +16,7 @@ canary due before the first trained weights exist is skipped, not run on the sta
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import Config
@@ -19,7 +24,7 @@ from ..data import DataError, Problem
 from ..learning.reward_functions import Rewards
 from ..records import StepLog
 from ..rollout.sampling import Sampler
-from ..rollout_types import Ticket, WeightsRef
+from ..rollout_types import Group, Ticket, WeightsRef
 
 CANARY_FILE = "canary.jsonl"
 
@@ -33,6 +38,7 @@ class Canary:
         self.problems = held_out[: cfg.canary.problems]  # with gold answers: `check` saw to it at launch
         self.rewards = rewards
         self.sampler = sampler
+        self.episodes = cfg.env is not None
         # Rows after the resumed step are dropped (those canaries run again); written whole or not at all.
         self.log = StepLog(Path(cfg.run_dir) / CANARY_FILE, resumed_step) if sampler is not None else None
         self.history: list[dict] = self.log.rows if self.log is not None else []
@@ -60,15 +66,24 @@ class Canary:
         return {"canary_accuracy": record["accuracy"], "canary_reward": record["reward"]}
 
     def run(self, step: int, weights: WeightsRef) -> dict:
-        call = Ticket(tuple(p.prompt for p in self.problems), weights, step, 0, 0, n=1, temperature=0.0, tag="canary")
+        call = Ticket(
+            tuple(p.prompt for p in self.problems), weights, step, 0, 0, n=1, temperature=0.0, tag="canary",
+            problem_ids=tuple(p.id for p in self.problems),
+        )  # fmt: skip
         groups = self.sampler.collect(self.sampler.submit(call))
-        # The verifier's verdict (the rows have golds) and the reward, as a training sample's are scored.
-        scores = self.rewards.score(self.problems, groups, f"the canary of step {step}")
+        where = f"the canary of step {step}"
+        if self.episodes:  # the final answer graded; the reward the environment's
+            finals = [Group(g.prompt_ids, [replace(s, text=s.last_text) for s in g.samples]) for g in groups]
+            scores = self.rewards.score(self.problems, finals, where)
+            rewards = [g.samples[0].reward for g in groups]
+        else:  # the verifier's verdict (the rows have golds) and the reward, as a training sample's are scored
+            scores = self.rewards.score(self.problems, groups, where)
+            rewards = [s.totals[0] for s in scores]
         correct = [s.correct[0] for s in scores]
         record = {
             "step": step,
             "accuracy": sum(correct) / len(correct),
-            "reward": sum(s.totals[0] for s in scores) / len(scores),
+            "reward": sum(rewards) / len(rewards),
             "n": len(correct),
             "weights_dir": weights.dir,
             "time": time.time(),

@@ -16,6 +16,8 @@ Guarantees:
   preference are spread over the live workers, each going to the one with the fewest prompts in
   flight. A request names its target in `prefer_worker`, so the target serves it while it lives
   (the spool's sticky rule: others take it once it is dead, or after their `--sticky-wait-s`).
+- Turns of one request share their weights and their temperature (a greedy eval's turns travel
+  beside a run's sampled ones, in requests of their own).
 - Each prompt carries its turn's seed in `prompt_seeds`, so a turn samples the same whichever
   request and position it travels in (turns without a seed travel in requests of their own
   kind, unseeded). One sample per prompt (n_samples_per_prompt = 1: the G episodes of a row are
@@ -63,6 +65,7 @@ class Turn:
     prompt_token_ids: list[int]  # the whole prompt, exactly as the engine must see it
     seed: int | None  # this turn's sampling seed
     prefer_worker: str | None  # the worker that served this episode's previous turn
+    temperature: float | None = None  # this turn's sampling temperature; None: the batcher's
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ class TurnBatcher:
         for flight in self._in_flight.values():
             if flight.target in load:
                 load[flight.target] += len(flight.turns)
-        groups: dict[tuple[_Weights, str | None, bool], list[Turn]] = {}
+        groups: dict[tuple[_Weights, float | None, str | None, bool], list[Turn]] = {}
         preferred = [q for q in queued if q.turn.prefer_worker in load]
         for q in preferred:
             load[q.turn.prefer_worker] += 1
@@ -218,9 +221,10 @@ class TurnBatcher:
                     load[target] += 1
                 targets[id(q)] = target
         for q in queued:
-            groups.setdefault((q.weights, targets[id(q)], q.turn.seed is None), []).append(q.turn)
+            key = (q.weights, q.turn.temperature, targets[id(q)], q.turn.seed is None)
+            groups.setdefault(key, []).append(q.turn)
         flights = []
-        for (weights, target, _), turns in groups.items():
+        for (weights, _, target, _), turns in groups.items():
             # parts of even size, not full ones and a remainder
             start = 0
             for size in split_sizes(len(turns), math.ceil(len(turns) / self.max_prompts_per_request)):
@@ -243,7 +247,7 @@ class TurnBatcher:
             prompt_token_ids=[list(turn.prompt_token_ids) for turn in flight.turns],
             n_samples_per_prompt=1,
             max_tokens=self.max_tokens,
-            temperature=self.temperature,
+            temperature=self.temperature if flight.turns[0].temperature is None else flight.turns[0].temperature,
             top_p=self.top_p,
             stop=self.stop,
             logprobs=True,
