@@ -230,6 +230,9 @@ def run_ours(raw: dict, work: Path, args) -> dict:
             "publish_s": r["publish_s"],
             "retries": r["retries"],
             "micro_batches": r.get("micro_batches"),
+            "turns": r["episode_turns"] * raw["rollout"]["prompts_per_step"] * raw["rollout"]["samples_per_prompt"]
+            if "episode_turns" in r
+            else None,
         }
         for r in found["rows"]["steps"]
     ]
@@ -433,6 +436,9 @@ def trl_worker(spec: dict) -> None:
                     "completion_mean_length": logs.get("completions/mean_length"),
                     "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 }
+                if env:  # the assistant turns of the step's conversations
+                    row["turns"] = sum(trl_tools.ASSISTANT_TURNS)
+                    trl_tools.ASSISTANT_TURNS.clear()
                 self.steps.write(json.dumps(row) + "\n")
                 self.steps.flush()
                 if spec["eval_every"] and state.global_step % spec["eval_every"] == 0:
@@ -567,6 +573,7 @@ def run_trl(raw: dict, work: Path, args) -> dict:
             "completion_tokens": (r["completion_mean_length"] or 0)
             * spec["prompts_per_step"]
             * spec["samples_per_prompt"],
+            "turns": r.get("turns"),
         }
         for r in found["rows"]["steps"]
     ]
@@ -608,6 +615,8 @@ def summary(found: dict, skip: int) -> dict:
             "completion_tokens_first_step": steps[0]["completion_tokens"],
             "completion_tokens_last_step": steps[-1]["completion_tokens"],
         }
+        if kept[0].get("turns") is not None:  # episodes: assistant turns a second
+            figures["median_turns_per_s"] = round(statistics.median(s["turns"] / s["step_s"] for s in kept), 1)
         if "spare_tokens" in kept[0]:
             all_tokens = [(s["completion_tokens"] + s["spare_tokens"]) / s["step_s"] for s in kept]
             figures["median_tokens_per_s_with_spares"] = round(statistics.median(all_tokens))

@@ -99,6 +99,9 @@ def same_prompts(tokenizer, own_template: str, conversations: list[list[dict]]) 
             raise SystemExit(f"the tool template renders a prompt otherwise than the model's:\n{ours!r}\n{theirs!r}")
 
 
+ASSISTANT_TURNS: list[int] = []  # per conversation scored since the step's row took them
+
+
 def reward(completions, a, b, **_) -> list[float]:
     """The Calculator environment's reward, from the conversations TRL returns."""
     from trainer_svc.tasks.calculator import TOOL_BONUS, final_answer
@@ -106,6 +109,7 @@ def reward(completions, a, b, **_) -> list[float]:
     scores = []
     for messages, x, y in zip(completions, a, b, strict=True):
         said = [m for m in messages if m["role"] == "assistant"]
+        ASSISTANT_TURNS.append(len(said))
         if not said or said[-1].get("tool_calls"):  # out of turns while calling: ours ends it unscored
             scores.append(0.0)
             continue

@@ -235,3 +235,20 @@ def test_the_tool_template_renders_calls_our_parser_reads_and_plain_turns_as_cha
 )
 def test_trls_reward_is_the_environments(conversation, score):
     assert trl_tools.reward([conversation], [347], [29]) == [pytest.approx(score)]
+
+
+def test_trls_reward_counts_the_assistant_turns_of_each_conversation_for_the_steps_row():
+    trl_tools.ASSISTANT_TURNS.clear()
+    called = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "calculate"}}]},
+              {"role": "tool", "name": "calculate", "content": "10063"},
+              {"role": "assistant", "content": "Answer: 10063"}]  # fmt: skip
+    trl_tools.reward([called, [{"role": "assistant", "content": "Answer: 1"}], []], [347] * 3, [29] * 3)
+    assert trl_tools.ASSISTANT_TURNS == [2, 1, 0]
+
+
+def test_summary_gives_assistant_turns_a_second_where_steps_count_them():
+    steps = [{"step": i, "t": 10.0 * i, "step_s": 2.0 if i % 2 else 4.0, "reward": 0.5, "completion_tokens": 100,
+              "turns": 120} for i in range(1, 6)]  # fmt: skip
+    assert compare.summary({"exit": 0, "steps": steps, "evals": []}, skip=0)["median_turns_per_s"] == 60.0
+    single_turn = [dict(s, turns=None) for s in steps]
+    assert "median_turns_per_s" not in compare.summary({"exit": 0, "steps": single_turn, "evals": []}, skip=0)
