@@ -94,3 +94,10 @@ def test_a_worked_example_before_the_question_is_prompt(tiny_model, tmp_path):
         f"1+1=2<tool_response>right</tool_response>\n{p.prompt}" for p in PROBLEMS
     ]
     assert all(tokenizer.decode(s.token_ids).startswith("7") for g in groups for s in g.samples)
+
+
+def test_the_first_episode_with_tools_is_not_charged_the_import_of_the_schema_maker(tiny_model, tmp_path):
+    # Describing the tools to the model takes transformers' get_json_schema, whose import takes
+    # seconds in a fresh process: done at the process's start, no episode's creation times out.
+    [group, _] = episodes(tiny_model, tmp_path, "user_envs:Calculator", timeout_s=1.0, concurrency=2)
+    assert all(s.ended == "done" and s.reward == 1.0 for s in group.samples)

@@ -91,10 +91,11 @@ def tool(method: Callable) -> Callable:
     return method
 
 
+def tool_names(cls: type) -> list[str]:
+    """The names of an environment class's tool methods."""
+    return [name for name in dir(cls) if getattr(getattr(cls, name, None), TOOL_MARK, False)]
+
+
 def tool_methods(env: object) -> dict[str, Callable]:
     """The bound tool methods of an environment instance, by name."""
-    found = {}
-    for name in dir(type(env)):
-        if getattr(getattr(type(env), name, None), TOOL_MARK, False):
-            found[name] = getattr(env, name)
-    return found
+    return {name: getattr(env, name) for name in tool_names(type(env))}

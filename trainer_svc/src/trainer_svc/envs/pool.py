@@ -37,9 +37,9 @@ from multiprocessing import get_context
 
 from ..config import EnvConfig
 from ..learning.reward_process import describe, ignore_stop_signals, kill_pool
-from .api import Step, tool_methods
+from .api import Step, tool_methods, tool_names
 from .errors import EnvError
-from .tools import find_calls, run_calls, schemas
+from .tools import find_calls, run_calls, schema_maker, schemas
 
 STARTUP_TIMEOUT_S = 300.0  # a process's start and the import of the user's module
 # a worked example (assistant and tool turns) may come before the question; the generation prompt
@@ -195,6 +195,8 @@ def _load(name: str) -> tuple[str, str | None]:
     found = getattr(module, attribute, None)
     if not isinstance(found, type):
         return "failed", f"module {module_name!r} has no class {attribute!r} (found {type(found).__name__})"
+    if tool_names(found):
+        schema_maker()  # its import takes seconds: here, within the start's time, not a call's env.timeout_s
     _CLASS[:] = [found]
     return "ok", None
 

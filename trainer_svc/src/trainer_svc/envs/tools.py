@@ -18,6 +18,7 @@ memory limits.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -70,9 +71,27 @@ def schemas(tools: dict[str, Callable]) -> list[dict]:
     docstring with an Args: section)."""
     if not tools:
         return []
+    get_json_schema = schema_maker()
+    return [get_json_schema(method) for _, method in sorted(tools.items())]
+
+
+@functools.cache
+def schema_maker() -> Callable:
+    """transformers' get_json_schema. Its first use imports much of transformers (seconds): an
+    environment process makes a schema at its start, never within a call's env.timeout_s."""
     from transformers.utils import get_json_schema
 
-    return [get_json_schema(method) for _, method in sorted(tools.items())]
+    get_json_schema(_example_tool)
+    return get_json_schema
+
+
+def _example_tool(x: int) -> int:
+    """The schema made at a process's start.
+
+    Args:
+        x: a number
+    """
+    return x
 
 
 def plain_tools_message(tool_schemas: list[dict]) -> dict:
