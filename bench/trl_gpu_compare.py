@@ -203,7 +203,8 @@ def run_ours(raw: dict, work: Path, args) -> dict:
     raw["rollout"]["colocate"] = gpu and raw["rollout"].get("colocate", False)
     raw["rollout"].setdefault("rollout_venv", str(ROOT / ".venvs" / "rollout"))
     if not gpu:  # a check of the script: the worker on the CPU, as the demo runs it
-        raw["rollout"]["worker_args"] = ["--max-model-len", "128"]
+        longest = raw["env"].get("max_episode_tokens", 1024) if raw.get("env") else 128  # an episode's turns
+        raw["rollout"]["worker_args"] = ["--max-model-len", str(longest)]
         raw["run"]["cpu_threads"] = 1
     config_path = work / "ours.toml"
     write_toml(raw, config_path)
