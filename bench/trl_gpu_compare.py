@@ -665,7 +665,7 @@ def summary(found: dict, skip: int) -> dict:
     return figures
 
 
-def plot(paths: list[str], png: str) -> None:
+def plot(paths: list[str], png: str, task: str = "two-digit sums") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -685,7 +685,7 @@ def plot(paths: list[str], png: str) -> None:
     ax.set_ylabel("held-out greedy accuracy (64 rows)")
     ax.set_ylim(0, 1)
     ax.set_xlim(left=0)  # from launch: the start-up is part of the time to an accuracy
-    save(fig, ax, paths, "two-digit sums, ", png)
+    save(fig, ax, paths, f"{task}, ", png)
 
 
 def save(fig, ax, paths: list[str], task: str, png: str) -> None:
@@ -764,6 +764,7 @@ def main() -> None:
     parser.add_argument("--plot", nargs="+", metavar="JSON", help="draw these sides' accuracy against time")
     parser.add_argument("--plot-reward", nargs="+", metavar="JSON", help="draw these sides' reward against time")
     parser.add_argument("--png", default=str(ROOT / "docs" / "smollm2_gpu_vs_trl.png"))
+    parser.add_argument("--task", default="two-digit sums", help="the task, as --plot's title names it")
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)  # internal: TRL's process
     parser.add_argument("--tiny", action="store_true", help="the CPU check: both sides without a launch, the plots")
     args = parser.parse_args()
@@ -774,7 +775,7 @@ def main() -> None:
         trl_worker(json.loads(Path(args.trl_worker).read_text()))
         return
     if args.plot:
-        plot(args.plot, args.png)
+        plot(args.plot, args.png, args.task)
         return
     if args.plot_reward:
         plot_reward(args.plot_reward, args.png)
