@@ -198,6 +198,7 @@ def trainer_command() -> list[str]:
 
 def run_ours(raw: dict, work: Path, args) -> dict:
     run_dir = work / "ours-run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run an earlier launch left in --work would be resumed
     raw["run"]["dir"] = str(run_dir)
     gpu = gpu_available()
     raw["rollout"]["colocate"] = gpu and raw["rollout"].get("colocate", False)
@@ -545,6 +546,8 @@ def run_trl(raw: dict, work: Path, args) -> dict:
         env.setdefault("OMP_NUM_THREADS", "1")
     memory = MemoryWatch()
     files = {"steps": Path(spec["metrics"]), "evals": Path(spec["evals"])}
+    for path in files.values():  # TRL's side appends: rows an earlier launch left in --work would count
+        path.unlink(missing_ok=True)
     command = [trl_python(args), "-m", "bench.trl_gpu_compare", "--trl-worker", str(spec_path)]
     if args.tiny:  # no TRL: the rows its side would log, made up
         rows = synthetic.metrics_rows(args.steps)
