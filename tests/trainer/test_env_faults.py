@@ -5,7 +5,10 @@ class that cannot be imported (at launch) and first messages that differ within 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from conftest import make_config
@@ -101,3 +104,20 @@ def test_the_first_episode_with_tools_is_not_charged_the_import_of_the_schema_ma
     # seconds in a fresh process: done at the process's start, no episode's creation times out.
     [group, _] = episodes(tiny_model, tmp_path, "user_envs:Calculator", timeout_s=1.0, concurrency=2)
     assert all(s.ended == "done" and s.reward == 1.0 for s in group.samples)
+
+
+def test_a_script_without_a_main_guard_is_told_what_stopped_the_environments_processes(tmp_path):
+    # The environment processes start by forkserver and import the main module: a script that
+    # starts them at its top level starts them again in each child, which Python refuses.
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import msgspec\n"
+        "from trainer_svc.config import EnvConfig\n"
+        "from trainer_svc.envs.pool import EnvPool\n"
+        "EnvPool(msgspec.convert({'class': 'user_envs:Chat', 'concurrency': 1}, EnvConfig)).start()\n"
+    )
+    user = tmp_path / "user"  # where user_envs wrote the module
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "its worker process did not start" in done.stderr and 'if __name__ == "__main__":' in done.stderr

@@ -89,7 +89,11 @@ class EnvPool:
                 outcome, value = future.result(timeout=STARTUP_TIMEOUT_S)
             except Exception as exc:
                 self.close()
-                raise EnvError(f"environment {self.name}: its worker process did not start ({exc})") from None
+                raise EnvError(
+                    f"environment {self.name}: its worker process did not start ({exc}). Its processes import "
+                    "the main module: a script that starts training must keep its top-level code under "
+                    '`if __name__ == "__main__":`'
+                ) from None
             if outcome != "ok":
                 self.close()
                 raise EnvError(f"environment {self.name}: {value}")
