@@ -89,6 +89,19 @@ def test_config_refuses_requests_sent_further_ahead_than_the_allowed_policy_lag(
     assert "up to 3 steps old" in refused("config", gates.check_config, both, world_size=1)
 
 
+def test_config_refuses_episodes_longer_than_the_spawned_workers_max_model_len(tmp_path, tiny_model):
+    def episodes(tokens: int, worker_args: list[str], spawn: bool = True):
+        return make_config(tmp_path / "run", tiny_model, env={"class": "m:E", "max_episode_tokens": tokens},
+                           rollout={"spawn": spawn, "worker_args": worker_args})  # fmt: skip
+
+    message = refused("config", gates.check_config, episodes(512, ["--max-model-len", "128"]), world_size=1)
+    assert "env.max_episode_tokens = 512 is more than the spawned worker's --max-model-len 128" in message
+    refused("config", gates.check_config, episodes(512, ["--no-compile", "--max-model-len=256"]), world_size=1)
+    gates.check_config(episodes(512, ["--max-model-len", "512"]), world_size=1)
+    gates.check_config(episodes(512, []), world_size=1)  # the model's own limit: the worker says at its start
+    gates.check_config(episodes(512, ["--max-model-len", "128"], spawn=False), world_size=1)  # not ours to know
+
+
 def test_config_refuses_an_armed_canary_with_too_few_held_out_problems(cfg):
     assert cfg.data.held_out == 10
     armed = replace(cfg, canary={"every": 2, "problems": 11})

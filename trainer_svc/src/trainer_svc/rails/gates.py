@@ -1,7 +1,8 @@
 """Launch gates: checks that refuse a run that cannot succeed, cheapest first, before the
 expensive work. Each refusal raises GateRefused (exit code 3) with what to change.
 
-    config      denominator arithmetic, sync cadence, gradient clipping, canary armed
+    config      denominator arithmetic, sync cadence, gradient clipping, canary armed, an
+                episode longer than the spawned worker's --max-model-len
     ceiling     the reward scores a perfect policy ~100% and a wrong one ~0% (receipt saved);
                 skipped, and the receipt says why, where no `correct` or no gold judges it
     band        the band file was made from this model (its manifest says so)
@@ -94,6 +95,15 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise GateRefused(
             "config", "train.max_grad_norm must be set: unclipped GRPO updates blow up on outlier batches"
         )
+    limit = worker_max_model_len(r.worker_args) if r.spawn else None
+    if cfg.env is not None and limit is not None and cfg.env.max_episode_tokens > limit:
+        raise GateRefused(
+            "config",
+            f"env.max_episode_tokens = {cfg.env.max_episode_tokens} is more than the spawned worker's "
+            f"--max-model-len {limit} (rollout.worker_args): an episode's later turns would be refused in the "
+            "middle of the run (prompt_too_long); raise --max-model-len to at least env.max_episode_tokens, or "
+            "lower env.max_episode_tokens",
+        )
     if cfg.canary.every:
         if cfg.canary.problems < 1 or cfg.canary.problems > cfg.data.held_out:
             raise GateRefused(
@@ -103,6 +113,21 @@ def check_config(cfg: Config, world_size: int) -> None:
                 f"but data.held_out = {cfg.data.held_out} problems are kept out of training; "
                 "raise data.held_out to at least canary.problems, or lower canary.problems",
             )
+
+
+def worker_max_model_len(worker_args: list[str]) -> int | None:
+    """The --max-model-len that `rollout-svc serve` options give (the last one, as its parser
+    takes it); None where they give none or a value that is no integer (the worker refuses that)."""
+    found = None
+    for i, arg in enumerate(worker_args):
+        if arg == "--max-model-len" and i + 1 < len(worker_args):
+            found = worker_args[i + 1]
+        elif arg.startswith("--max-model-len="):
+            found = arg.partition("=")[2]
+    try:
+        return int(found) if found is not None else None
+    except ValueError:
+        return None
 
 
 def ceiling_receipt(cfg: Config, problems: list[Problem], tokenizer, verifier: Verifier) -> dict:
