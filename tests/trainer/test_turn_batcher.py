@@ -193,6 +193,19 @@ def test_turns_keep_the_weights_they_were_put_with(tmp_path, workers, batchers):
     assert sent == {"/models/none": (None, 1), "/models/next": ("content-2", 2)}
 
 
+def test_turns_of_another_temperature_travel_in_requests_of_their_own(tmp_path, workers, batchers):
+    workers.start("echo-a")
+    batcher = batchers(max_wait_s=0.0)  # the batcher's own temperature: 1.0
+    batcher.put(turn(0))
+    batcher.put(Turn("greedy1.t0", prompt(1), seed=1, prefer_worker=None, temperature=0.0))
+    batcher.put(turn(2))
+    batcher.put(Turn("greedy3.t0", prompt(3), seed=3, prefer_worker=None, temperature=0.0))
+    outcomes = drain(batcher)
+    assert outcomes["greedy3.t0"].token_ids == prompt(3)[:MAX_TOKENS]
+    sent = sorted((r.temperature, r.prompt_seeds) for r in archived_requests(tmp_path / "spool"))
+    assert sent == [(0.0, [1, 3]), (1.0, [0, 2])]
+
+
 def test_a_request_held_by_a_dead_worker_is_sent_again_under_a_fresh_id(tmp_path, workers, batchers):
     spool = Spool(tmp_path / "spool", create=True)
     now = time.time()

@@ -18,8 +18,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import msgspec
-
 from ..config import Config
 from ..rollout_types import Ticket, WeightsRef
 from .sampler import EpisodeSampler
@@ -39,8 +37,6 @@ def evaluate(
     """`samples` episodes of each row (the problems `rows`, data.Problem), with `weights`;
     `service` makes the TurnBatcher (rollout.client.RolloutService)."""
     started = time.monotonic()
-    # The run's sampling settings but the eval's temperature; the journal of its own calls beside the run's.
-    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, temperature=temperature))
     sampler = EpisodeSampler(cfg, service, rows, tokenizer)
     out: list[dict] = []
     try:
@@ -49,7 +45,7 @@ def evaluate(
             part = rows[start : start + rows_per_call]
             call = Ticket(
                 tuple(r.prompt for r in part), weights, start // rows_per_call, 0, seed + start, n=samples,
-                tag="evalenv", problem_ids=tuple(r.id for r in part),
+                temperature=temperature, tag="evalenv", problem_ids=tuple(r.id for r in part),
             )  # fmt: skip
             calls.append((part, sampler.submit(call)))  # all in flight at once: the workers see every row's turns
         for part, call in calls:

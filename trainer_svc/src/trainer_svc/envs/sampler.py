@@ -128,8 +128,7 @@ class EpisodeSampler:
             again = f"{ticket.tag}-s{ticket.step:08d}-a{ticket.attempt}-"
             self._discarded.update(old for old in self._calls if old.startswith(again) and old != name)
             if self.runner is None:
-                # the sampling of this sampler's config: an eval's temperature is not the run's
-                self.turns = self.service.turn_batcher(ticket.weights, temperature=self.cfg.rollout.temperature)
+                self.turns = self.service.turn_batcher(ticket.weights)  # a call's own temperature rides on its turns
                 self.runner = EpisodeRunner(
                     self.cfg, self.pool, self.turns, renderer_for(self.tokenizer), self._journal_turn, self._journal_env
                 )
