@@ -235,6 +235,7 @@ def run_ours(raw: dict, work: Path, args) -> dict:
             "turns": r["episode_turns"] * raw["rollout"]["prompts_per_step"] * raw["rollout"]["samples_per_prompt"]
             if "episode_turns" in r
             else None,
+            "prefix_cache_hit": r.get("prefix_cache_hit"),
         }
         for r in found["rows"]["steps"]
     ]
@@ -621,6 +622,9 @@ def summary(found: dict, skip: int) -> dict:
         }
         if kept[0].get("turns") is not None:  # episodes: assistant turns a second
             figures["median_turns_per_s"] = round(statistics.median(s["turns"] / s["step_s"] for s in kept), 1)
+        hits = [s["prefix_cache_hit"] for s in kept if s.get("prefix_cache_hit") is not None]
+        if hits:  # ours, episodes: the share of later turns' prompt tokens the worker's cache served
+            figures["median_prefix_cache_hit"] = round(statistics.median(hits), 3)
         if "spare_tokens" in kept[0]:
             all_tokens = [(s["completion_tokens"] + s["spare_tokens"]) / s["step_s"] for s in kept]
             figures["median_tokens_per_s_with_spares"] = round(statistics.median(all_tokens))

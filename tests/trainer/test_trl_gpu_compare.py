@@ -252,3 +252,5 @@ def test_summary_gives_assistant_turns_a_second_where_steps_count_them():
     assert compare.summary({"exit": 0, "steps": steps, "evals": []}, skip=0)["median_turns_per_s"] == 60.0
     single_turn = [dict(s, turns=None) for s in steps]
     assert "median_turns_per_s" not in compare.summary({"exit": 0, "steps": single_turn, "evals": []}, skip=0)
+    cached = [dict(s, prefix_cache_hit=h) for s, h in zip(steps, (0.5, 0.9, None, 0.8, 0.95), strict=True)]
+    assert compare.summary({"exit": 0, "steps": cached, "evals": []}, skip=0)["median_prefix_cache_hit"] == 0.85
