@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, gpu_name, say
+from bench.models import random_model
 from bench.workers import start_worker, stop, wait_until
 
 TARGET_RATIO = 0.95
@@ -83,19 +84,6 @@ def chat_prompts(model: Path, count: int) -> list[str]:
         else:
             prompts.append(question + "\n")
     return prompts
-
-
-def random_weights(model: Path, out: Path) -> Path:
-    """`model`'s config and tokenizer with random bf16 weights in `out`: such a model almost never
-    samples its end-of-turn token, so every completion runs to max_tokens (generation at a length,
-    not at the length a trained model's answers happen to have)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(SEED)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).to(torch.bfloat16).save_pretrained(out)
-    AutoTokenizer.from_pretrained(model).save_pretrained(out)
-    return out
 
 
 def publish_steps(model: Path, publish_dir: Path, steps: int) -> list[Path]:
@@ -421,7 +409,7 @@ def main() -> None:
     figures = {}
     try:
         if args.random_weights:
-            args.model = random_weights(args.model, root / "random-model")
+            args.model = random_model(args.model, root / "random-model", seed=SEED)
         say(f"publishing {args.steps + 1} steps of {args.model} into {root}")
         prompts = chat_prompts(args.model, args.prompts)
         dirs = publish_steps(args.model, root / "published", args.steps)

@@ -39,8 +39,7 @@ import time
 from pathlib import Path
 
 from bench.common import gpu_name, say
-from bench.models import QWEN_SHAPES as SHAPES
-from bench.models import QWEN_TINY, qwen_config
+from bench.models import BENCH_SHAPES, qwen_config
 from bench.models import QWEN_VOCAB as VOCAB
 
 PEAK_BF16_FLOPS = 989.4e12
@@ -48,7 +47,7 @@ TARGET_MFU = 0.40
 STEADY = 0.05  # warm-up ends at a step within this fraction of the previous one's tokens per second
 # A tiny shape for checking the script on a CPU (`--shape tiny --sequences 8 --prompt-tokens 16
 # --completion-tokens 16`); its figures mean nothing.
-MFU_SHAPES = {**SHAPES, "tiny": QWEN_TINY}
+MFU_SHAPES = BENCH_SHAPES
 
 
 def device() -> str:
@@ -249,6 +248,9 @@ def main() -> None:
         profile(args)
         return
 
+    too_big = [m for m in args.micro.split(",") if int(m) > args.sequences or args.sequences % int(m)]
+    if too_big:
+        parser.error(f"--micro {','.join(too_big)} must divide --sequences {args.sequences}")
     rows = []
     configurations = [
         (checkpointing == "on", compiled == "on", int(micro))

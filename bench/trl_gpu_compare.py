@@ -72,8 +72,10 @@ import tomllib
 
 from bench import synthetic, trl_tools
 from bench.common import ROOT, sources_first
+from bench.models import BENCH_SHAPES, random_model
 
 CPU_TRL_PYTHON = ROOT / ".venvs" / "bench-trl" / "bin" / "python"
+PROMPT_ROOM = 512  # tokens of context --tokens leaves the prompt (the shipped tasks' prompts are under 200)
 LEVELS = (0.8, 0.85)
 
 
@@ -156,11 +158,31 @@ def load_settings(args) -> dict:
                        ("max_tokens", args.tokens)):  # fmt: skip
         if value:
             rollout[key] = value
+    if args.tokens:  # the worker's context must hold a prompt beside the longest answer
+        rollout["worker_args"] = with_max_model_len(rollout.get("worker_args", []), args.tokens + PROMPT_ROOM)
     raw.setdefault("train", {})["steps"] = args.steps
     canary = raw.setdefault("canary", {})
     if canary.get("every", 1):  # a config that turns its canary off has rows without gold answers
         canary["every"] = args.eval_every
     return raw
+
+
+def with_max_model_len(worker_args: list[str], least: int) -> list[str]:
+    """`worker_args` whose --max-model-len is at least `least`: raised (first, the only one) where
+    lower or absent, left as they are otherwise."""
+    from trainer_svc.rails.gates import worker_max_model_len
+
+    if (worker_max_model_len(worker_args) or 0) >= least:
+        return list(worker_args)
+    kept, skip = [], False
+    for arg in worker_args:
+        if skip or arg.startswith("--max-model-len="):
+            skip = False
+        elif arg == "--max-model-len":
+            skip = True  # and its value
+        else:
+            kept.append(arg)
+    return ["--max-model-len", str(least), *kept]
 
 
 def problems(raw: dict, work: Path) -> tuple[Path, Path, int]:
@@ -291,6 +313,8 @@ def worker_figures(log: str, sequences: int) -> dict:
 
 
 def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
+    from trainer_svc.rails.gates import worker_max_model_len
+
     rollout, train_cfg, loss = raw["rollout"], raw.get("train", {}), raw.get("loss", {})
     reward = raw.get("reward", {})
     functions = reward.get("functions", ["correct", "format", "overlong"])
@@ -331,7 +355,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "max_tokens": rollout["max_tokens"],
         "temperature": rollout.get("temperature", 1.0),
         "top_p": rollout.get("top_p", 1.0),
-        "max_model_len": int(rollout.get("worker_args", ["--max-model-len", "512"])[1]),
+        "max_model_len": worker_max_model_len(rollout.get("worker_args", [])) or 512,
         "gpu_memory": rollout.get("colocate_gpu_memory", 0.3),
         "lr": train_cfg.get("lr", 1e-4),
         "warmup_steps": train_cfg.get("warmup_steps", 0),
@@ -761,6 +785,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, help="override rollout.samples_per_prompt")
     parser.add_argument("--tokens", type=int, help="override rollout.max_tokens")
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights of the model's shape (seeded, the same on both sides): every answer "
+                             "runs to --tokens")  # fmt: skip
+    parser.add_argument(
+        "--shape",
+        choices=sorted(BENCH_SHAPES),
+        help="random weights of this Qwen2.5 shape at the model's tokenizer (implies --random-weights)",
+    )
     parser.add_argument("--eval-every", type=int, default=10, help="held-out greedy accuracy every N steps")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds the launch may take")
@@ -791,8 +823,12 @@ def main() -> None:
         parser.error("give --side ours or --side trl (or --plot)")
     import tempfile
 
+    random_weights = args.random_weights or bool(args.shape)
     work = args.work or Path(tempfile.mkdtemp(prefix=f"trl-gpu-{args.side}-"))
     work.mkdir(parents=True, exist_ok=True)
+    if random_weights:  # built before the launch: its time is no side's
+        source = ROOT / (args.model or tomllib.loads(Path(args.config).read_text())["model"]["path"])
+        args.model = str(random_model(source, work / "model", shape=args.shape))
     raw = load_settings(args)
     found = run_ours(raw, work, args) if args.side == "ours" else run_trl(raw, work, args)
     machine = "CPU"
@@ -808,6 +844,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "commit": head.strip(),
         "config": str(args.config),
+        "weights": f"random, {args.shape or 'the model'}'s shape" if random_weights else "the model's",
         "settings": {k: v for k, v in raw.items() if k in ("model", "rollout", "train", "loss", "canary")},
         "run": found,
     }

@@ -57,6 +57,49 @@ def test_trl_settings_are_the_configs(tmp_path):
     assert (spec["clip_low"], spec["clip_high"], spec["betas"], spec["max_grad_norm"]) == (0.2, 0.28, [0.9, 0.99], 1.0)
 
 
+def test_a_longer_tokens_raises_the_context_on_both_sides_and_a_larger_one_is_left_alone(tmp_path):
+    from trainer_svc.rails.gates import worker_max_model_len
+
+    raw = compare.load_settings(arguments(tokens=1024))
+    assert raw["rollout"]["max_tokens"] == 1024
+    assert worker_max_model_len(raw["rollout"]["worker_args"]) == 1024 + compare.PROMPT_ROOM
+    assert raw["rollout"]["worker_args"].count("--max-model-len") == 1
+    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(tokens=1024))
+    assert spec["max_model_len"] == 1024 + compare.PROMPT_ROOM
+    wide = ["--dtype", "bfloat16", "--max-model-len=4096"]
+    assert compare.with_max_model_len(wide, 1536) == wide
+    assert compare.with_max_model_len(["--max-model-len=600", "--dtype", "bfloat16"], 1536) == [
+        "--max-model-len",
+        "1536",
+        "--dtype",
+        "bfloat16",
+    ]
+
+
+def test_random_weights_keep_the_tokenizers_vocabulary_and_special_tokens_and_are_seeded(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from bench.models import BENCH_SHAPES, random_model
+
+    source = AutoConfig.from_pretrained(tiny_model)
+    first = random_model(tiny_model, tmp_path / "a", shape="tiny", seed=7)
+    again = random_model(tiny_model, tmp_path / "b", shape="tiny", seed=7)
+    other = random_model(tiny_model, tmp_path / "c", shape="tiny", seed=8)
+    config = AutoConfig.from_pretrained(first)
+    assert config.model_type == "qwen2" and config.hidden_size == BENCH_SHAPES["tiny"]["hidden_size"]
+    assert config.vocab_size == source.vocab_size
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(config, key) == getattr(source, key)
+    assert (first / "tokenizer_config.json").exists()
+    weights = [load_file(m / "model.safetensors") for m in (first, again, other)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+    assert not all(weights[0][k].equal(weights[2][k]) for k in weights[0] if "norm" not in k)
+    own = random_model(tiny_model, tmp_path / "d")  # no shape: the source's own architecture
+    assert AutoConfig.from_pretrained(own).model_type == source.model_type
+
+
 def test_trl_splits_a_step_into_the_micro_batches_asked_and_refuses_a_split_that_does_not_divide(tmp_path):
     raw = compare.load_settings(arguments())
     assert compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 1
