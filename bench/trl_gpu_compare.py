@@ -322,15 +322,19 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
     scoring = {f: w for f, w in zip(functions, weights, strict=True) if w}
     if "overlong" in scoring and not reward.get("overlong_buffer"):
         del scoring["overlong"]  # off while its buffer is 0
-    users = {f: w for f, w in scoring.items() if ":" in f}
+    # TRL's side calls the config's own functions ("module:function") and correctness ("correct"),
+    # weighted as the config weighs them; correctness alone is its default, no weights.
+    users = {f: w for f, w in scoring.items() if ":" in f or f == "correct"}
     tools = trl_tools.spec_fields(raw) if raw.get("env") else {}
     if tools:  # the environment's reward, on TRL's side its own function (bench.trl_tools)
         users = {}
-    elif scoring != {"correct": 1.0} and not (users and users == scoring):
+    elif not users or users != scoring:
         raise SystemExit(
-            "TRL's side scores correctness alone or the config's own reward functions (TRL's convention, "
-            f"weighted as the config weighs them); the config's reward is {scoring}"
+            "TRL's side scores correctness and the config's own reward functions (TRL's convention, "
+            f"weighted as the config weighs them), no other built-in; the config's reward is {scoring}"
         )
+    elif users == {"correct": 1.0}:
+        users = {}
     if loss.get("kl_coef", 0) or train_cfg.get("updates_per_batch", 1) != 1:
         raise SystemExit("TRL's side mirrors kl_coef 0 and one update per batch")
     batch = rollout["prompts_per_step"] * rollout["samples_per_prompt"]
@@ -348,7 +352,8 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "out": str(work / "trl-out"),
         "seed": raw["run"].get("seed", 0),
         "steps": args.steps,
-        "eval_every": 0 if users else args.eval_every,  # held-out accuracy needs gold answers
+        # held-out accuracy needs gold answers, which a config scoring correctness has
+        "eval_every": 0 if users and "correct" not in users else args.eval_every,
         "prompts_per_step": rollout["prompts_per_step"],
         "samples_per_prompt": rollout["samples_per_prompt"],
         "micro_batches": micro_batches,
@@ -367,7 +372,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "correction": loss.get("correction", "none"),
         "correction_cap": loss.get("correction_cap", 2.0),
         "advantage_norm": loss.get("advantage_norm", "std"),
-        "user_rewards": sorted(users.items()),  # [("module:function", weight)]; none: correctness
+        "user_rewards": sorted(users.items()),  # [("module:function" or "correct", weight)]; none: correctness
         **tools,
     }
 
@@ -541,7 +546,8 @@ def trl_worker(spec: dict) -> None:
     if env:
         funcs, extra = [trl_tools.reward], {"processing_class": tokenizer, "tools": [trl_tools.calculate]}
     else:
-        funcs, extra = [user_reward(name) for name, _ in users] if users else correct, {}
+        funcs = [correct if name == "correct" else user_reward(name) for name, _ in users] if users else correct
+        extra = {}
     trainer = GRPOTrainer(
         model=spec["model"], reward_funcs=funcs, args=config, train_dataset=Dataset.from_list(rows), callbacks=[log],
         **extra,

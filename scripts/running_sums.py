@@ -1,4 +1,4 @@
-"""Write the running-sums task as chat rows: a start (10..59) and 3 to 8 two-digit addends (10..49)
+"""Write the running-sums task as chat rows: a start (10..59) and 1 to 3 two-digit addends (10..49)
 drawn by a seeded generator, one user turn each, with the gold `answer` (the final total) and the
 fields the reward function trainer_svc.tasks.running_sums:steps_right reads. The rows
 `configs/smollm2-gpu-long.toml` trains on; deterministic (the same rows for the same seed).
@@ -23,7 +23,7 @@ def rows(count: int, seed: int) -> list[dict]:
     out = []
     for _ in range(count):
         start = rng.randint(10, 59)
-        addends = [rng.randint(10, 49) for _ in range(rng.randint(3, 8))]
+        addends = [rng.randint(10, 49) for _ in range(rng.randint(1, 3))]
         said = ", then ".join(str(a) for a in addends)
         content = QUESTION.format(start=start, addends=said, first=addends[0], total=start + addends[0])
         out.append(

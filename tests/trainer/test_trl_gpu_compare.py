@@ -117,15 +117,19 @@ def test_trl_scores_with_the_configs_own_reward_functions_weighted_alike(tmp_pat
     spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
     assert spec["user_rewards"] == [("trainer_svc.tasks.running_sums:steps_right", 1.0)]
     assert spec["eval_every"] == 0  # no gold answers to grade held-out rows by
-    raw["reward"] = {"functions": ["correct", "trainer_svc.tasks.running_sums:steps_right"], "weights": [1.0, 1.0]}
-    with pytest.raises(SystemExit, match="correctness alone or the config's own"):
+    raw["reward"] = {"functions": ["correct", "trainer_svc.tasks.running_sums:steps_right"], "weights": [1.0, 0.5]}
+    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
+    assert spec["user_rewards"] == [("correct", 1.0), ("trainer_svc.tasks.running_sums:steps_right", 0.5)]
+    assert spec["eval_every"] == arguments().eval_every  # correctness needs gold answers: they grade held-out rows
+    raw["reward"] = {"functions": ["correct", "format"], "weights": [1.0, 0.5]}
+    with pytest.raises(SystemExit, match="no other built-in"):
         compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
 
 
 def test_a_reward_trl_cannot_mirror_is_refused(tmp_path):
     raw = compare.load_settings(arguments())
     raw["reward"] = {"functions": ["correct", "format"], "weights": [1.0, 0.5]}
-    with pytest.raises(SystemExit, match="correctness alone"):
+    with pytest.raises(SystemExit, match="no other built-in"):
         compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
 
 
