@@ -323,7 +323,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
     if "overlong" in scoring and not reward.get("overlong_buffer"):
         del scoring["overlong"]  # off while its buffer is 0
     # TRL's side calls the config's own functions ("module:function") and correctness ("correct"),
-    # weighted as the config weighs them; correctness alone is its default, no weights.
+    # weighted as the config weighs them.
     users = {f: w for f, w in scoring.items() if ":" in f or f == "correct"}
     tools = trl_tools.spec_fields(raw) if raw.get("env") else {}
     if tools:  # the environment's reward, on TRL's side its own function (bench.trl_tools)
@@ -333,8 +333,6 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
             "TRL's side scores correctness and the config's own reward functions (TRL's convention, "
             f"weighted as the config weighs them), no other built-in; the config's reward is {scoring}"
         )
-    elif users == {"correct": 1.0}:
-        users = {}
     if loss.get("kl_coef", 0) or train_cfg.get("updates_per_batch", 1) != 1:
         raise SystemExit("TRL's side mirrors kl_coef 0 and one update per batch")
     batch = rollout["prompts_per_step"] * rollout["samples_per_prompt"]
@@ -372,7 +370,7 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
         "correction": loss.get("correction", "none"),
         "correction_cap": loss.get("correction_cap", 2.0),
         "advantage_norm": loss.get("advantage_norm", "std"),
-        "user_rewards": sorted(users.items()),  # [("module:function" or "correct", weight)]; none: correctness
+        "user_rewards": sorted(users.items()),  # [("module:function" or "correct", weight)]; none: the environment's
         **tools,
     }
 
@@ -546,8 +544,7 @@ def trl_worker(spec: dict) -> None:
     if env:
         funcs, extra = [trl_tools.reward], {"processing_class": tokenizer, "tools": [trl_tools.calculate]}
     else:
-        funcs = [correct if name == "correct" else user_reward(name) for name, _ in users] if users else correct
-        extra = {}
+        funcs, extra = [correct if name == "correct" else user_reward(name) for name, _ in users], {}
     trainer = GRPOTrainer(
         model=spec["model"], reward_funcs=funcs, args=config, train_dataset=Dataset.from_list(rows), callbacks=[log],
         **extra,

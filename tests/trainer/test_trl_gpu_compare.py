@@ -121,9 +121,6 @@ def test_trl_scores_with_the_configs_own_reward_functions_weighted_alike(tmp_pat
     spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
     assert spec["user_rewards"] == [("correct", 1.0), ("trainer_svc.tasks.running_sums:steps_right", 0.5)]
     assert spec["eval_every"] == arguments().eval_every  # correctness needs gold answers: they grade held-out rows
-    raw["reward"] = {"functions": ["correct", "format"], "weights": [1.0, 0.5]}
-    with pytest.raises(SystemExit, match="no other built-in"):
-        compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
 
 
 def test_a_reward_trl_cannot_mirror_is_refused(tmp_path):
