@@ -1,6 +1,6 @@
-"""bench/trl_gpu_compare.py sets TRL's side from the config ours runs: the same rows (never the
-held-out ones), batch, sampling, optimizer and correction; and its figures read the runs'
-rows as stamped."""
+"""bench/trl_gpu_compare.py and bench/trl_side.py set TRL's side from the config ours runs: the
+same rows (never the held-out ones), batch, sampling, optimizer and correction; and its figures
+read the runs' rows as stamped."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import trl_gpu_compare as compare
-from bench import trl_tools
+from bench import trl_side, trl_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_trl_trains_on_the_configs_training_rows_and_is_graded_on_its_canary_row
 
 def test_trl_settings_are_the_configs(tmp_path):
     raw = compare.load_settings(arguments(steps=7, eval_every=3))
-    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(steps=7, eval_every=3))
+    spec = trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(steps=7, eval_every=3))
     assert spec["model"] == str((ROOT / "build" / "smollm2-135m-instruct").resolve())
     assert (spec["prompts_per_step"], spec["samples_per_prompt"], spec["max_tokens"]) == (64, 8, 16)
     assert (spec["temperature"], spec["top_p"], spec["lr"], spec["warmup_steps"]) == (0.7, 1.0, 2e-5, 5)
@@ -64,7 +64,7 @@ def test_a_longer_tokens_raises_the_context_on_both_sides_and_a_larger_one_is_le
     assert raw["rollout"]["max_tokens"] == 1024
     assert worker_max_model_len(raw["rollout"]["worker_args"]) == 1024 + compare.PROMPT_ROOM
     assert raw["rollout"]["worker_args"].count("--max-model-len") == 1
-    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(tokens=1024))
+    spec = trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(tokens=1024))
     assert spec["max_model_len"] == 1024 + compare.PROMPT_ROOM
     wide = ["--dtype", "bfloat16", "--max-model-len=4096"]
     assert compare.with_max_model_len(wide, 1536) == wide
@@ -102,23 +102,23 @@ def test_random_weights_keep_the_tokenizers_vocabulary_and_special_tokens_and_ar
 
 def test_trl_splits_a_step_into_the_micro_batches_asked_and_refuses_a_split_that_does_not_divide(tmp_path):
     raw = compare.load_settings(arguments())
-    assert compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 1
+    assert trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 1
     raw["train"]["grad_accum"] = 4
-    assert compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 4
-    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(trl_micro_batches=16))
+    assert trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())["micro_batches"] == 4
+    spec = trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(trl_micro_batches=16))
     assert spec["micro_batches"] == 16
     with pytest.raises(SystemExit, match="does not divide"):
-        compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(trl_micro_batches=7))
+        trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments(trl_micro_batches=7))
 
 
 def test_trl_scores_with_the_configs_own_reward_functions_weighted_alike(tmp_path):
     raw = compare.load_settings(arguments())
     raw["reward"] = {"functions": ["trainer_svc.tasks.running_sums:steps_right", "overlong"], "weights": [1.0, 1.0]}
-    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
+    spec = trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
     assert spec["user_rewards"] == [("trainer_svc.tasks.running_sums:steps_right", 1.0)]
     assert spec["eval_every"] == 0  # no gold answers to grade held-out rows by
     raw["reward"] = {"functions": ["correct", "trainer_svc.tasks.running_sums:steps_right"], "weights": [1.0, 0.5]}
-    spec = compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
+    spec = trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
     assert spec["user_rewards"] == [("correct", 1.0), ("trainer_svc.tasks.running_sums:steps_right", 0.5)]
     assert spec["eval_every"] == arguments().eval_every  # correctness needs gold answers: they grade held-out rows
 
@@ -127,7 +127,7 @@ def test_a_reward_trl_cannot_mirror_is_refused(tmp_path):
     raw = compare.load_settings(arguments())
     raw["reward"] = {"functions": ["correct", "format"], "weights": [1.0, 0.5]}
     with pytest.raises(SystemExit, match="no other built-in"):
-        compare.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
+        trl_side.trl_spec(raw, tmp_path / "t", tmp_path / "h", tmp_path, arguments())
 
 
 def test_summary_times_accuracy_from_launch_and_skips_the_first_steps():
@@ -205,7 +205,7 @@ TOOLS = ROOT / "configs" / "smollm2-gpu-tools.toml"
 def test_trl_mirrors_the_environments_turns_and_refuses_another_environment(tmp_path):
     raw = compare.load_settings(arguments(config=str(TOOLS)))
     train, held_out, _ = compare.problems(raw, tmp_path)
-    spec = compare.trl_spec(raw, train, held_out, tmp_path, arguments(config=str(TOOLS)))
+    spec = trl_side.trl_spec(raw, train, held_out, tmp_path, arguments(config=str(TOOLS)))
     assert spec["env"] == {
         "class": "trainer_svc.tasks.calculator:Calculator",
         "max_turns": 3,
@@ -214,7 +214,7 @@ def test_trl_mirrors_the_environments_turns_and_refuses_another_environment(tmp_
     assert spec["user_rewards"] == []
     raw["env"]["class"] = "my_envs:Other"
     with pytest.raises(SystemExit, match="mirrors the environment trainer_svc.tasks.calculator:Calculator"):
-        compare.trl_spec(raw, train, held_out, tmp_path, arguments(config=str(TOOLS)))
+        trl_side.trl_spec(raw, train, held_out, tmp_path, arguments(config=str(TOOLS)))
 
 
 def test_trl_prompts_are_the_environments_first_messages():
