@@ -38,6 +38,7 @@ from pathlib import Path
 
 from bench import synthetic
 from bench.common import ROOT, TRAINER, VENVS, emit, git_head, machine_line, sources_first, utc_minute
+from bench.trl_side import step_log_class
 
 TRL_PYTHON = VENVS / "bench-trl" / "bin" / "python"
 WORK = ROOT / "runs" / "bench-trl-compare"
@@ -61,23 +62,6 @@ def trl_worker(spec: dict) -> None:
 
     def correct(completions, gold, **_) -> list[float]:
         return [float(verdict(extract_answer(text), g) is True) for text, g in zip(completions, gold, strict=True)]
-
-    class StepLog(TrainerCallback):
-        """The logged reward of each step, with its seconds (step end to step end)."""
-
-        def __init__(self) -> None:
-            self.out = open(spec["metrics"], "a")
-            self.last = time.monotonic()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.monotonic()
-            self.step_s, self.last = now - self.last, now
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                row = {"step": state.global_step, "reward": logs["reward"], "step_s": self.step_s}
-                self.out.write(json.dumps(row) + "\n")
-                self.out.flush()
 
     rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
     config = GRPOConfig(
@@ -119,7 +103,7 @@ def trl_worker(spec: dict) -> None:
         reward_funcs=correct,
         args=config,
         train_dataset=Dataset.from_list(rows),
-        callbacks=[StepLog()],
+        callbacks=[step_log_class(TrainerCallback)(spec["metrics"])],
     )
     trainer.train()
 

@@ -8,8 +8,8 @@ to first step and peak GPU memory.
 
 One side per command (each is one launch, timed from the command that starts it; the GPU host
 allows 10 minutes a command). On a machine without a GPU a small mode checks the script:
-`--model build/smollm2-135m-instruct --prompts 4 --samples 4 --tokens 4 --steps 3 --eval-every 1` (figures
-meaningless; ours runs its worker apart, TRL generates with transformers).
+`--model build/smollm2-135m-instruct --prompts 4 --samples 4 --tokens 4 --steps 3
+--eval-every 1` (figures meaningless; ours runs its worker apart, TRL generates with transformers).
 
 Ours: `trainer-svc train` of --config (configs/smollm2-gpu.toml: the worker colocated on the
 trainer's GPU, `ahead = 1`, tis, every group trained on), with only these changed: the

@@ -79,6 +79,38 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
     }
 
 
+def step_log_class(callback_base: type) -> type:
+    """A TRL callback class that appends one JSON line per logged step to a file: the step, its
+    logged reward and its seconds (step end to step end). Subclasses add fields (`fields`) and act
+    after each line (`after_step`). `callback_base` is transformers' TrainerCallback, passed in
+    because only the interpreter that has TRL can import it."""
+
+    class StepLog(callback_base):
+        def __init__(self, path: str) -> None:
+            self.steps = open(path, "a")
+            self.last = time.monotonic()
+            self.step_s = None
+
+        def fields(self, logs: dict) -> dict:
+            return {}
+
+        def after_step(self, step: int) -> None:
+            pass
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.monotonic()
+            self.step_s, self.last = now - self.last, now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                row = {"step": state.global_step, "reward": logs["reward"], "step_s": self.step_s, **self.fields(logs)}
+                self.steps.write(json.dumps(row) + "\n")
+                self.steps.flush()
+                self.after_step(state.global_step)
+
+    return StepLog
+
+
 def trl_worker(spec: dict) -> None:
     """TRL's GRPOTrainer on `spec` (written by the orchestrator), in the interpreter that has TRL.
     One JSON line per step into spec["metrics"], one per held-out evaluation into spec["evals"]."""
@@ -112,16 +144,14 @@ def trl_worker(spec: dict) -> None:
 
     held_out = [json.loads(line) for line in Path(spec["held_out"]).read_text().splitlines()]
 
-    class Log(TrainerCallback):
-        """Each step's seconds (step end to step end), reward and completion length; the held-out
-        greedy accuracy before the first step and every eval_every steps."""
+    class Log(step_log_class(TrainerCallback)):
+        """Each step's line with its completion length and peak memory; the held-out greedy
+        accuracy before the first step and every eval_every steps."""
 
         def __init__(self) -> None:
-            self.steps = open(spec["metrics"], "a")
+            super().__init__(spec["metrics"])
             self.evals = open(spec["evals"], "a")
             self.trainer = None
-            self.last = None
-            self.step_s = None
 
         def evaluate(self, step: int) -> None:
             trainer = self.trainer
@@ -157,27 +187,20 @@ def trl_worker(spec: dict) -> None:
                 self.evaluate(0)
             self.last = time.monotonic()
 
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.monotonic()
-            self.step_s, self.last = now - self.last, now
+        def fields(self, logs: dict) -> dict:
+            row = {
+                "completion_mean_length": logs.get("completions/mean_length"),
+                "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+            }
+            if env:  # the assistant turns of the step's conversations
+                row["turns"] = sum(trl_tools.ASSISTANT_TURNS)
+                trl_tools.ASSISTANT_TURNS.clear()
+            return row
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                row = {
-                    "step": state.global_step,
-                    "reward": logs["reward"],
-                    "step_s": self.step_s,
-                    "completion_mean_length": logs.get("completions/mean_length"),
-                    "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-                }
-                if env:  # the assistant turns of the step's conversations
-                    row["turns"] = sum(trl_tools.ASSISTANT_TURNS)
-                    trl_tools.ASSISTANT_TURNS.clear()
-                self.steps.write(json.dumps(row) + "\n")
-                self.steps.flush()
-                if spec["eval_every"] and state.global_step % spec["eval_every"] == 0:
-                    self.evaluate(state.global_step)
-                    self.last = time.monotonic()  # the next step's seconds leave the evaluation out
+        def after_step(self, step: int) -> None:
+            if spec["eval_every"] and step % spec["eval_every"] == 0:
+                self.evaluate(step)
+                self.last = time.monotonic()  # the next step's seconds leave the evaluation out
 
     if spec["correction"] not in ("tis", "none"):
         raise SystemExit(f"TRL's side mirrors loss.correction tis or none, not {spec['correction']}")
