@@ -50,10 +50,16 @@ def served_by(spool: Spool, request_ids: list[str], timeout_s: float = 300.0) ->
         time.sleep(0.05)
 
 
-def until_generating(spool: Spool, worker_id: str, timeout_s: float) -> None:
-    """Polls the worker's status file often: the engine call lasts a second or more, this a few ms."""
+def until_serving(spool: Spool, worker_id: str, timeout_s: float) -> None:
+    """Polls often for the worker in its engine call: "generating" by its status and holding a
+    claim. The status says "generating" from just before the first claim (so peers leave it parts),
+    so the status alone can be caught a moment before the claim's rename. The engine call lasts a
+    second or more, this poll a few ms."""
     deadline = time.monotonic() + timeout_s
-    while decode_status(spool.status_path(worker_id).read_bytes()).state != "generating":
+    while not (
+        decode_status(spool.status_path(worker_id).read_bytes()).state == "generating"
+        and any(n.endswith(f"@{worker_id}.json") for n in os.listdir(spool.claimed))
+    ):
         assert time.monotonic() < deadline, f"{worker_id} never started its engine call"
         time.sleep(0.005)
 
@@ -90,7 +96,7 @@ def test_the_worker_that_scans_first_leaves_the_other_part_to_its_idle_peer(mode
     parts = call("fan", models["a"], 2)
     spool.submit_many(parts)
     os.killpg(workers["a"].pid, signal.SIGCONT)
-    until_generating(spool, "fan-a", timeout_s=300)
+    until_serving(spool, "fan-a", timeout_s=300)
     os.killpg(workers["a"].pid, signal.SIGSTOP)
     assert not spool.read_results([p.request_id for p in parts]), "A's engine call ended before it was caught in it"
     held_by_a = sorted(n for n in os.listdir(spool.claimed) if n.endswith("@fan-a.json"))
