@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench import synthetic
 from bench.common import ROOT, TRAINER, VENVS, emit, git_head, machine_line, sources_first, utc_minute
-from bench.trl_side import step_log_class
+from bench.trl_side import FIXED_GRPO_ARGS, step_log_class
 
 TRL_PYTHON = VENVS / "bench-trl" / "bin" / "python"
 WORK = ROOT / "runs" / "bench-trl-compare"
@@ -88,15 +88,8 @@ def trl_worker(spec: dict) -> None:
         max_grad_norm=spec["max_grad_norm"],
         epsilon=spec["clip_low"],
         epsilon_high=spec["clip_high"],
-        loss_type="dapo",
         scale_rewards="group",
-        beta=0.0,
-        num_iterations=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **FIXED_GRPO_ARGS,
     )
     trainer = GRPOTrainer(
         model=spec["model"],

@@ -79,6 +79,21 @@ def trl_spec(raw: dict, train: Path, held_out: Path, work: Path, args) -> dict:
     }
 
 
+# GRPOConfig arguments both TRL workers (this one and bench.trl_compare's) fix the same way: our
+# loss (token-mean over the step, no KL term, one update per generation) and no saves, reports,
+# progress bars or dataloader processes, which only time the harness.
+FIXED_GRPO_ARGS = {
+    "loss_type": "dapo",
+    "beta": 0.0,
+    "num_iterations": 1,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+    "dataloader_num_workers": 0,
+}
+
+
 def step_log_class(callback_base: type) -> type:
     """A TRL callback class that appends one JSON line per logged step to a file: the step, its
     logged reward and its seconds (step end to step end). Subclasses add fields (`fields`) and act
@@ -254,16 +269,9 @@ def trl_worker(spec: dict) -> None:
         max_grad_norm=spec["max_grad_norm"],
         epsilon=spec["clip_low"],
         epsilon_high=spec["clip_high"],
-        loss_type="dapo",
         reward_weights=[w for _, w in users] if users else None,
         scale_rewards="group" if spec["advantage_norm"] == "std" else "none",
-        beta=0.0,
-        num_iterations=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **FIXED_GRPO_ARGS,
         **vllm,
         **tool_args,
     )
