@@ -3,7 +3,8 @@ utilisation (MFU) against the card's bf16 peak.
 
     python -m bench.trainer_mfu [--shape 1.5b] [--sequences 64] [--prompt-tokens 256]
                                 [--completion-tokens 768] [--micro 8,16] [--checkpointing on,off]
-                                [--compile on,off] [--steps 10] [--max-warmup 8] [--json OUT]
+                                [--compile on,off] [--steps 10] [--max-warmup 8] [--chunk-mib MIB]
+                                [--json OUT]
 
 A Qwen2.5-shaped model (config only, random weights, bf16 on the GPU) takes trainer_svc's own
 optimizer step (`train_step.train_step`: the clipped GRPO loss over micro-batches, gradient
@@ -12,7 +13,8 @@ random tokens; completion lengths vary from half to all of `--completion-tokens`
 completions do. Measured for each micro-batch size, with and without activation checkpointing,
 with and without torch.compile (model.compile: the decoder layers and the log-prob math):
 seconds per step, tokens per second (real tokens, padding not counted), and MFU, as medians of
---steps timed steps with their spread.
+--steps timed steps with their spread. `--chunk-mib` sets the float32 logits each chunk of the
+log-prob math holds (the positions a chunk takes, `logprob_chunk_rows`, are reported).
 
 Warm-up before timing: steps are taken, untimed for the figures, until one runs within 5% of the
 previous one's tokens per second (so at least two; a compiled model compiles in the first and may
@@ -125,7 +127,7 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
     from trainer_svc.config import Config
     from trainer_svc.distributed import Distributed
     from trainer_svc.learning.batch import collate
-    from trainer_svc.learning.token_logprobs import use_packing
+    from trainer_svc.learning.token_logprobs import chunk_rows, use_packing
     from trainer_svc.learning.train_step import StepTotals, make_optimizer, make_scheduler, train_step
 
     cfg = msgspec.convert(
@@ -183,6 +185,7 @@ def run(args, checkpointing: bool, micro: int, compiled: bool, profiled: bool = 
         "micro_batch": micro,
         "attention": args.attention,
         "packed": use_packing(cfg.train.packing, model),
+        "logprob_chunk_rows": chunk_rows(model.config.vocab_size),
         "step_s": round(s, 3),
         "tokens_per_s": round(statistics.median(rates)),
         "mfu": round(statistics.median(f / x for f, x in zip(flops, seconds, strict=True)) / PEAK_BF16_FLOPS, 4),
@@ -231,6 +234,10 @@ def main() -> None:
         "--attention", default="sdpa", choices=["sdpa", "eager", "varlen"],
         help="model.attention; varlen packs the micro-batches (train.packing = auto)",
     )  # fmt: skip
+    parser.add_argument(
+        "--chunk-mib", type=int,
+        help="float32 logits a log-prob chunk holds, MiB (default: the trainer's, token_logprobs.CHUNK_BYTES)",
+    )  # fmt: skip
     parser.add_argument("--checkpointing", default="on,off", help="on, off, or both")
     parser.add_argument("--compile", default="on,off", help="on, off, or both")
     parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
@@ -244,6 +251,10 @@ def main() -> None:
         args.micro, args.checkpointing, args.compile, args.steps, args.max_warmup = "8", "off", "off", 1, 2
     import torch
 
+    if args.chunk_mib:
+        from trainer_svc.learning import token_logprobs
+
+        token_logprobs.CHUNK_BYTES = args.chunk_mib * 2**20
     if args.profile:
         profile(args)
         return

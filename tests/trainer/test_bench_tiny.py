@@ -62,6 +62,17 @@ def test_the_tiny_mode_runs(script, tmp_path):
         CHECKS[script.file](report, stdout)
 
 
+def test_the_mfu_bench_steps_with_the_log_prob_chunk_it_is_given(tmp_path):
+    """--chunk-mib reaches the trainer's log-prob math: the step runs, and its chunks hold fewer
+    positions than at the trainer's default size."""
+    (script,) = [s for s in scripts_for("trainer") if s.file == "trainer_mfu.py"]
+    default, _ = run_tiny(script, tmp_path / "default")
+    small, _ = run_tiny(script, tmp_path / "small", "--chunk-mib", "1")
+    (default_row,), (small_row,) = default["rows"], small["rows"]
+    assert "error" not in small_row and small_row["step_s"] > 0
+    assert small_row["logprob_chunk_rows"] < default_row["logprob_chunk_rows"]
+
+
 def test_the_made_up_runs_carry_every_key_of_the_trainers_step_lines(tiny_model, tmp_path):
     from trainer_svc.run.loop import train
 

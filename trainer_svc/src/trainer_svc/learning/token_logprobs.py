@@ -48,9 +48,10 @@ FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3"
 LogprobMath = Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]
 
 
-def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Positions a chunk holds: as many as fit `chunk_bytes` of float32 logits, at least one."""
-    return max(1, chunk_bytes // (4 * vocab_size))
+def chunk_rows(vocab_size: int, chunk_bytes: int | None = None) -> int:
+    """Positions a chunk holds: as many as fit `chunk_bytes` (default: CHUNK_BYTES, read at the
+    call, so a benchmark can set it) of float32 logits, at least one."""
+    return max(1, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * vocab_size))
 
 
 def chunked_logprobs(
