@@ -115,10 +115,11 @@ system-packages:
 	scripts/system_packages.sh
 
 # Lint first (seconds), then two runs, one per venv: each service's tests import only what its
-# venv holds. The real model is built first: its tests serve and import it.
+# venv holds. The real model is built first: its tests serve and import it. Each run ends with its
+# slowest tests, to keep the whole suite's time in view.
 test: system-packages lint venvs real-model $(TRAINER)/.tracking-installed
-	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer
-	$(TRAINER)/bin/python -m pytest tests/trainer
+	$(ROLLOUT)/bin/python -m pytest tests --ignore=tests/trainer --durations=20
+	$(TRAINER)/bin/python -m pytest tests/trainer --durations=20
 
 # The GPU tier, on a GPU host (never in CI): vLLM on the GPU, reloads and rebuilds, sleep mode,
 # eval through the spool, and the trainer on one GPU (colocated) and on two.
