@@ -260,7 +260,7 @@ def make_optimizer(model, cfg: Config) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA adapter's alone
     # On a GPU the fused kernel updates every tensor in a few launches where the default (foreach)
     # takes a dozen passes over all of them; on a CPU the default stays.
-    fused = bool(trainable) and all(p.is_cuda for p in trainable)
+    fused = all(p.is_cuda for p in trainable)
     return torch.optim.AdamW(
         trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay, fused=fused
     )

@@ -63,28 +63,29 @@ def varlen_attention_forward(
         raise ValueError(f"model.attention = 'varlen' takes no attention dropout (the model asks for {dropout})")
     window = kwargs.get("sliding_window")
     cu = kwargs.get("cu_seq_lens_q")
-    kernel = varlen_kernel()
-    if cu is not None and query.shape[0] != 1:
+    if cu is None:
+        key, value = _per_query_head(key, query.shape[1]), _per_query_head(value, query.shape[1])
+        return _padded(query, key, value, attention_mask, scaling, window), None
+    if query.shape[0] != 1:
         raise ValueError(f"a packed micro-batch is one row; got {query.shape[0]} rows with cu_seq_lens_q")
-    if cu is not None and kernel is not None and query.is_cuda:
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H or Hkv, D]
+    kernel = varlen_kernel()
+    if kernel is not None and q.is_cuda:
         # The kernel takes grouped-query heads as they are (FlashAttention reads each key/value
         # head for its group of query heads), so keys and values are not copied per query head.
-        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H or Hkv, D]
         longest = int(kwargs.get("max_length_q") or 0)
         left = -1 if window is None else window - 1
         cu32 = cu.to(torch.int32)
         out = kernel(q, k, v, cu32, cu32, longest, longest, scale=scaling, window_size=(left, 0))
-        return out.unsqueeze(0), None  # [1, T, H, D]
-    key, value = _per_query_head(key, query.shape[1]), _per_query_head(value, query.shape[1])
-    if cu is None:
-        return _padded(query, key, value, attention_mask, scaling, window), None
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, D]
-    return _one_at_a_time(q, k, v, cu, scaling, window).unsqueeze(0), None  # [1, T, H, D]
+    else:
+        k, v = _per_query_head(k, q.shape[1]), _per_query_head(v, q.shape[1])
+        out = _one_at_a_time(q, k, v, cu, scaling, window)
+    return out.unsqueeze(0), None  # [1, T, H, D]
 
 
 def _per_query_head(kv: Tensor, heads: int) -> Tensor:
-    """Grouped-query keys or values [B, Hkv, T, D] repeated to one per query head [B, H, T, D],
-    for the paths through scaled_dot_product_attention."""
+    """Grouped-query keys or values, heads on dim 1 ([B, Hkv, T, D] or [T, Hkv, D]), repeated to one
+    per query head, for the paths through scaled_dot_product_attention."""
     return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
 
 
